@@ -1,0 +1,160 @@
+/* nemoh.h: the structs every part of nemoh shares, and the backend interface.
+ *
+ * nemoh.c holds the host side (JSON, safetensors, config, tokenizer, sampler, the one layer loop,
+ * the plain-C CPU backend, the CLI); nemoh.cu holds the CUDA backend. Both implement `Backend`,
+ * the handful of operations the layer loop in nemoh.c calls. */
+#ifndef NEMOH_H
+#define NEMOH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __CUDACC__
+#define NEMOH_HD __host__ __device__
+#else
+#define NEMOH_HD
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------------------------------------
+ * Model configuration (from config.json) and one rank's share of it
+ * ---------------------------------------------------------------------------------------------- */
+
+enum { DT_F32, DT_BF16, DT_F16 };   /* storage dtypes nemoh reads */
+enum { MAX_LAYERS = 512, MAX_EOS = 8 };
+
+typedef struct {
+    int vocab;                  /* vocab_size */
+    int hidden;                 /* hidden_size */
+    int n_layers;               /* number of blocks */
+    char kind[MAX_LAYERS];      /* [n_layers] 'M' Mamba2, '*' attention, '-' MLP */
+    float eps;                  /* RMSNorm epsilon (all norms) */
+    int n_heads, n_kv, head_dim;  /* attention: query heads, key/value heads, head size */
+    int mlp;                    /* MLP intermediate size */
+    int m_heads, m_hdim;        /* Mamba2 heads and head size; d_inner = m_heads * m_hdim */
+    int n_groups, d_state;      /* Mamba2 B/C groups and state size N */
+    int d_conv;                 /* causal conv1d kernel width */
+    int conv_bias;              /* 1 if conv1d has a bias */
+    int ctx;                    /* max_position_embeddings */
+    int bos;                    /* bos_token_id, -1 if none */
+    int eos[MAX_EOS], n_eos;    /* eos_token_id (int or list) */
+} Config;
+
+/* Sizes of one tensor-parallel rank's slice; at n = 1 they are the full sizes. */
+typedef struct {
+    int rank, n;                /* this rank, number of ranks */
+    int m_heads, groups;        /* local Mamba heads, local groups (whole groups) */
+    int d_inner, conv;          /* local m_heads*m_hdim, local conv channels d_inner + 2*groups*N */
+    int in_proj;                /* local in_proj rows: d_inner (z) + conv (x|B|C) + m_heads (dt) */
+    int q, kv;                  /* local query heads, local kv heads (replicated when n > n_kv) */
+    int q0, kv0;                /* first global query head, first global kv head */
+    int mlp;                    /* local MLP intermediate rows */
+    int vocab;                  /* local lm_head rows (vocab / n) */
+} Shard;
+
+/* ------------------------------------------------------------------------------------------------
+ * Weights: 2-D views into the mmapped checkpoint (never copied on the CPU)
+ * ---------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const void *data;           /* first element of the view, inside the mmapped file */
+    int dtype;                  /* DT_F32 / DT_BF16 / DT_F16 */
+    int rows, cols;             /* shape of the view */
+    size_t ld;                  /* elements between the starts of consecutive rows */
+} Mat;
+
+typedef struct {
+    char kind;                  /* 'M', '*' or '-' */
+    float *norm;                /* [hidden] fp32 pre-mixer RMSNorm weight */
+    /* Mamba2 (kind 'M') */
+    Mat in_z, in_xbc, in_dt;    /* in_proj rows for z [d_inner], x|B|C [conv], dt [m_heads] (local) */
+    float *conv_w;              /* [conv, d_conv] fp32 depthwise conv1d weight (local channels) */
+    float *conv_b;              /* [conv] fp32 conv1d bias (zeros when the config has none) */
+    float *A;                   /* [m_heads] fp32 A = -exp(A_log) */
+    float *D;                   /* [m_heads] fp32 skip */
+    float *dt_bias;             /* [m_heads] fp32 */
+    float *gnorm;               /* [d_inner] fp32 gated group-norm weight */
+    Mat out;                    /* [hidden, d_inner] out_proj, column slice (row-parallel) */
+    /* attention (kind '*') */
+    Mat wq, wk, wv;             /* [q*head_dim, hidden], [kv*head_dim, hidden] x2 (local heads) */
+    Mat wo;                     /* [hidden, q*head_dim] o_proj, column slice (row-parallel) */
+    /* MLP (kind '-') */
+    Mat up;                     /* [mlp, hidden] up_proj rows (column-parallel) */
+    Mat down;                   /* [hidden, mlp] down_proj, column slice (row-parallel) */
+} Layer;
+
+typedef struct {
+    Mat embed;                  /* [vocab, hidden] embedding table, full on every rank */
+    Mat lm_head;                /* [vocab/n, hidden] this rank's rows */
+    float *norm_f;              /* [hidden] fp32 final norm weight */
+    Layer layer[MAX_LAYERS];    /* [n_layers] */
+} Weights;
+
+/* ------------------------------------------------------------------------------------------------
+ * Ranks and the backend interface
+ * ---------------------------------------------------------------------------------------------- */
+
+/* How the layer loop asks for the norm at a layer's entry (see forward() in nemoh.c). */
+enum {
+    NORM_PLAIN,                 /* x = rmsnorm(residual) * w                                   */
+    NORM_ADD,                   /* residual += pending (already reduced); x = rmsnorm(residual)*w */
+    NORM_FUSED                  /* residual += allreduce(pending); x = rmsnorm(residual) * w   */
+};
+
+typedef struct Rank Rank;
+
+typedef struct {
+    const char *name;
+    void (*init)(Rank *r);                              /* allocate state, upload weights */
+    void (*free)(Rank *r);
+    /* Optional: 1 if the backend ran this forward by itself (a replayed CUDA graph). */
+    int (*replay)(Rank *r, const int *tok, int T, int pos);
+    void (*begin)(Rank *r, const int *tok, int T, int pos);  /* optional: before the layer loop */
+    void (*end)(Rank *r, int T);                        /* optional: after the layer loop */
+    void (*embed)(Rank *r, const int *tok, int T);      /* residual[t] = embed[tok[t]] */
+    void (*norm)(Rank *r, int l, int how, int T);       /* l == n_layers means norm_f */
+    void (*mamba)(Rank *r, int l, int T, int pos);      /* pending = out_proj(...) partial sums */
+    void (*attention)(Rank *r, int l, int T, int pos);
+    void (*mlp)(Rank *r, int l, int T);
+    void (*allreduce)(Rank *r, int T);                  /* pending = sum over ranks of pending */
+    void (*logits)(Rank *r, int T, int all);            /* last (or every) row's logits, gathered */
+    int (*sample)(Rank *r, float temp, float topp, uint64_t seed, uint64_t step);
+    const float *(*host_logits)(Rank *r, int rows);     /* the logits rows, readable on the host */
+} Backend;
+
+typedef struct Shared Shared;   /* what ranks share: host all-reduce buffers, NCCL comms (per backend) */
+
+struct Rank {
+    const Config *c;            /* model configuration */
+    Shard s;                    /* this rank's sizes */
+    Weights w;                  /* this rank's weight views */
+    const Backend *be;          /* the backend running this rank */
+    void *st;                   /* backend-private state and buffers */
+    Shared *sh;                 /* shared among the ranks of one backend */
+    int t_max;                  /* most tokens per forward call (prefill chunk) */
+    int ctx;                    /* context length the caches hold */
+    int fuse;                   /* 1: fused all-reduce at the next layer's entry; 0: at layer end */
+    int trace;                  /* print what each layer of the next single-token step runs */
+    int gpu;                    /* device index (CUDA backend) */
+};
+
+/* ------------------------------------------------------------------------------------------------
+ * Small math shared by host and device
+ * ---------------------------------------------------------------------------------------------- */
+
+/* A counter-based uniform draw in [0,1): the same (seed, step) gives the same coin on CPU and GPU. */
+static inline NEMOH_HD float coin(uint64_t seed, uint64_t step) {
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull * (step + 1);      /* splitmix64 */
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (float)(z >> 40) * (1.0f / 16777216.0f);
+}
+
+#ifdef __cplusplus
+}
+#endif
+#endif
