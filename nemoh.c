@@ -334,6 +334,446 @@ static const Json *json_at(const Json *a, int i) {
  * Safetensors: mmapped checkpoint files and their tensor tables
  * ---------------------------------------------------------------------------------------------- */
 
+typedef struct {
+    char *name;                 /* tensor name as stored */
+    int dtype;                  /* DT_F32 / DT_BF16 / DT_F16 */
+    int ndim;                   /* number of dimensions (<= 4) */
+    long shape[4];              /* [ndim] */
+    const void *data;           /* first byte, inside the file's mapping */
+    const char *file;           /* the file it came from, for messages */
+} Tensor;
+
+typedef struct {
+    char *path;                 /* file path */
+    void *map;                  /* mmapped contents */
+    size_t size;                /* file size in bytes */
+} MappedFile;
+
+typedef struct {
+    const char *dir;            /* checkpoint directory */
+    MappedFile file[256];       /* [n_files] safetensors files */
+    int n_files;
+    Tensor *t;                  /* [n] all tensors of all files */
+    int n, cap;
+    int owned;                  /* 1: tensor data is malloc'ed (a synthetic checkpoint), not mapped */
+} Checkpoint;
+
+static const char *dtype_name[] = {"F32", "BF16", "F16"};
+static const int dtype_size[] = {4, 2, 2};
+
+typedef struct { size_t begin, end; const char *name; } Span;
+
+static int span_cmp(const void *a, const void *b) {
+    const Span *x = a, *y = b;
+    return x->begin < y->begin ? -1 : x->begin > y->begin;
+}
+
+/* Maps one .safetensors file: [u64 header length][JSON header][data], and checks every tensor's
+ * dtype, shape and byte range against the file before anything reads it. */
+static void st_open(Checkpoint *ck, const char *path) {
+    if (ck->n_files == (int)(sizeof ck->file / sizeof ck->file[0])) die("%s: too many shard files", path);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) die("%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) die("%s: not a regular file", path);
+    size_t size = (size_t)st.st_size;
+    if (size < 8) die("%s: truncated: %zu bytes, shorter than the 8-byte header length", path, size);
+    void *map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (map == MAP_FAILED) die("%s: mmap failed: %s", path, strerror(errno));
+    close(fd);
+    MappedFile *mf = &ck->file[ck->n_files++];
+    mf->path = strdup(path);
+    mf->map = map;
+    mf->size = size;
+
+    uint64_t hlen;
+    memcpy(&hlen, map, 8);  /* little-endian, as is every machine nemoh runs on */
+    if (hlen > size - 8) die("%s: header length %llu exceeds the file size %zu", path, (unsigned long long)hlen, size);
+    const char *data = (const char *)map + 8 + hlen;
+    size_t data_size = size - 8 - hlen;
+    JsonDoc doc = json_parse((const char *)map + 8, hlen, mf->path);
+    const Json *root = &doc.nodes[0];
+    if (root->type != J_OBJ) die("%s: header is not a JSON object", path);
+    Span *spans = xcalloc((size_t)root->n, sizeof(Span));
+    int n_spans = 0;
+    for (const Json *e = root->child; e; e = e->next) {
+        if (e->klen == 12 && memcmp(e->key, "__metadata__", 12) == 0) continue;
+        const Json *dt = json_get(e, "dtype"), *shape = json_get(e, "shape"), *off = json_get(e, "data_offsets");
+        if (!dt || dt->type != J_STR || !shape || shape->type != J_ARR || !off || off->type != J_ARR || off->n != 2)
+            die("%s: tensor %s: header entry needs dtype, shape and data_offsets", path, e->key);
+        Tensor t = {0};
+        t.dtype = -1;
+        for (int i = 0; i < 3; i++) if (strcmp(dt->str, dtype_name[i]) == 0) t.dtype = i;
+        if (t.dtype < 0) die("%s: tensor %s has dtype %s; nemoh reads F32, BF16 and F16", path, e->key, dt->str);
+        if (shape->n > 4) die("%s: tensor %s has %d dimensions (at most 4)", path, e->key, shape->n);
+        double numel = 1;
+        for (const Json *d = shape->child; d; d = d->next) {
+            if (d->type != J_NUM || d->num < 0 || d->num != floor(d->num) || d->num > 1e12)
+                die("%s: tensor %s: bad shape", path, e->key);
+            t.shape[t.ndim++] = (long)d->num;
+            numel *= d->num;
+        }
+        double b = json_at(off, 0)->num, en = json_at(off, 1)->num;
+        if (json_at(off, 0)->type != J_NUM || json_at(off, 1)->type != J_NUM || b < 0 || en < b || b != floor(b) ||
+            en != floor(en) || en > (double)data_size)
+            die("%s: tensor %s: data_offsets [%.0f, %.0f] lie outside the file's %zu data bytes", path, e->key, b, en,
+                data_size);
+        if (en - b != numel * dtype_size[t.dtype])
+            die("%s: tensor %s: %.0f bytes for %.0f %s elements", path, e->key, en - b, numel, dtype_name[t.dtype]);
+        if ((8 + hlen + (size_t)b) % (size_t)dtype_size[t.dtype] != 0)
+            die("%s: tensor %s is not aligned to its element size", path, e->key);
+        t.name = strdup(e->key);
+        t.data = data + (size_t)b;
+        t.file = mf->path;
+        spans[n_spans++] = (Span){(size_t)b, (size_t)en, t.name};
+        if (ck->n == ck->cap) {
+            ck->cap = ck->cap ? 2 * ck->cap : 256;
+            ck->t = realloc(ck->t, (size_t)ck->cap * sizeof(Tensor));
+            if (!ck->t) die("out of memory");
+        }
+        ck->t[ck->n++] = t;
+    }
+    qsort(spans, (size_t)n_spans, sizeof(Span), span_cmp);
+    for (int i = 1; i < n_spans; i++)
+        if (spans[i].begin < spans[i - 1].end)
+            die("%s: tensors %s and %s overlap", path, spans[i - 1].name, spans[i].name);
+    free(spans);
+    json_free(&doc);
+}
+
+/* A checkpoint directory: model.safetensors, or the shards that model.safetensors.index.json names. */
+static void build_checkpoint(Checkpoint *ck, const char *dir) {
+    char path[4096];
+    memset(ck, 0, sizeof *ck);
+    ck->dir = dir;
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    size_t len;
+    char *text = read_file(path, &len);
+    if (text) {
+        JsonDoc doc = json_parse(text, len, path);
+        const Json *map = json_get(&doc.nodes[0], "weight_map");
+        if (!map || map->type != J_OBJ || map->n == 0) die("%s: no weight_map object", path);
+        for (const Json *e = map->child; e; e = e->next) {
+            if (e->type != J_STR || strchr(e->str, '/')) die("%s: bad file name for %s", path, e->key);
+            char shard[4096];
+            snprintf(shard, sizeof shard, "%s/%s", dir, e->str);
+            int seen = 0;
+            for (int i = 0; i < ck->n_files; i++) seen |= strcmp(ck->file[i].path, shard) == 0;
+            if (!seen) st_open(ck, shard);
+        }
+        for (const Json *e = map->child; e; e = e->next) {  /* every indexed tensor must exist */
+            int found = 0;
+            for (int i = 0; i < ck->n && !found; i++) found = strcmp(ck->t[i].name, e->key) == 0;
+            if (!found) die("%s: tensor %s is indexed but missing from %s", path, e->key, e->str);
+        }
+        json_free(&doc);
+        free(text);
+        return;
+    }
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    if (!file_exists(path)) die("%s: no model.safetensors or model.safetensors.index.json", dir);
+    st_open(ck, path);
+}
+
+static void free_checkpoint(Checkpoint *ck) {
+    for (int i = 0; i < ck->n; i++) {
+        free(ck->t[i].name);
+        if (ck->owned) free((void *)ck->t[i].data);
+    }
+    free(ck->t);
+    for (int i = 0; i < ck->n_files; i++) {
+        munmap(ck->file[i].map, ck->file[i].size);
+        free(ck->file[i].path);
+    }
+    memset(ck, 0, sizeof *ck);
+}
+
+/* Finds a tensor under NVIDIA's `backbone.` prefix or transformers' `model.` prefix (or none). */
+static const Tensor *st_find(const Checkpoint *ck, const char *name) {
+    static const char *prefix[] = {"backbone.", "model.", ""};
+    char full[256];
+    for (int p = 0; p < 3; p++) {
+        snprintf(full, sizeof full, "%s%s", prefix[p], name);
+        for (int i = 0; i < ck->n; i++)
+            if (strcmp(ck->t[i].name, full) == 0) return &ck->t[i];
+    }
+    return NULL;
+}
+
+/* The tensor `name`, which must exist with exactly the shape the config implies (d1 = 0: 1-D). */
+static const Tensor *st_get(const Checkpoint *ck, const char *name, long d0, long d1) {
+    const Tensor *t = st_find(ck, name);
+    if (!t) die("%s: tensor %s not found (looked for backbone.%s, model.%s and %s)", ck->dir, name, name, name, name);
+    /* conv1d.weight is stored [channels, 1, width]: drop the unit middle dimension */
+    long s0 = t->shape[0], s1 = t->ndim == 3 && t->shape[1] == 1 ? t->shape[2] : t->ndim >= 2 ? t->shape[1] : 0;
+    int ndim = t->ndim == 3 && t->shape[1] == 1 ? 2 : t->ndim;
+    if (ndim != (d1 ? 2 : 1) || s0 != d0 || s1 != d1) {
+        char have[96] = "", *p = have;
+        for (int i = 0; i < t->ndim; i++) p += sprintf(p, "%s%ld", i ? "," : "", t->shape[i]);
+        if (d1) die("%s: tensor %s has shape [%s], config implies [%ld,%ld]", t->file, t->name, have, d0, d1);
+        die("%s: tensor %s has shape [%s], config implies [%ld]", t->file, t->name, have, d0);
+    }
+    return t;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Config: config.json in NVIDIA's form (hybrid_override_pattern) or transformers' (layers_block_type)
+ * ---------------------------------------------------------------------------------------------- */
+
+/* An integer config value; `need`: die if absent, else return `def`. */
+static int cfg_int(const Json *root, const char *path, const char *key, int need, int def) {
+    const Json *v = json_get(root, key);
+    if (!v || v->type == J_NULL) {
+        if (need) die("%s: missing key %s", path, key);
+        return def;
+    }
+    if (v->type != J_NUM || v->num != floor(v->num) || v->num < 0 || v->num > 1e9)
+        die("%s: %s must be a non-negative integer", path, key);
+    return (int)v->num;
+}
+
+/* A boolean that nemoh only supports in one state (biases, for instance). */
+static void cfg_require(const Json *root, const char *path, const char *key, int want) {
+    const Json *v = json_get(root, key);
+    if (v && v->type == J_BOOL && (int)v->num != want)
+        die("%s: %s = %s is not supported", path, key, want ? "false" : "true");
+}
+
+static void cfg_act(const Json *root, const char *path, const char *key, const char *want) {
+    const Json *v = json_get(root, key);
+    if (v && (v->type != J_STR || strcmp(v->str, want) != 0))
+        die("%s: %s must be \"%s\"", path, key, want);
+}
+
+static void config_load(Config *c, const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    struct stat st;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) die("%s: no such model directory", dir);
+    size_t len;
+    char *text = read_file(path, &len);
+    if (!text) die("%s: cannot open", path);
+    JsonDoc doc = json_parse(text, len, path);
+    const Json *root = &doc.nodes[0];
+    if (root->type != J_OBJ) die("%s: not a JSON object", path);
+    memset(c, 0, sizeof *c);
+
+    /* The layer pattern: one character per layer, 'M' Mamba2, '*' attention, '-' MLP. */
+    const Json *pat = json_get(root, "hybrid_override_pattern"), *types = json_get(root, "layers_block_type");
+    if (types && types->type == J_ARR) {
+        for (const Json *e = types->child; e; e = e->next) {
+            if (c->n_layers == MAX_LAYERS) die("%s: more than %d layers", path, MAX_LAYERS);
+            const char *s = e->type == J_STR ? e->str : "";
+            char k = !strcmp(s, "mamba") || !strcmp(s, "linear_attention") ? 'M'
+                   : !strcmp(s, "attention") || !strcmp(s, "full_attention") ? '*'
+                   : !strcmp(s, "mlp") ? '-' : !strcmp(s, "moe") ? 'E' : '?';
+            if (k == '?') die("%s: layer %d has unknown block type \"%s\"", path, c->n_layers, s);
+            c->kind[c->n_layers++] = k;
+        }
+    } else if (pat && pat->type == J_STR) {
+        if (pat->len > MAX_LAYERS) die("%s: more than %d layers", path, MAX_LAYERS);
+        for (int i = 0; i < pat->len; i++) {
+            char k = pat->str[i];
+            if (!strchr("M*-E", k) || !k) die("%s: layer %d has unknown block type '%c' in hybrid_override_pattern", path, i, k);
+            c->kind[c->n_layers++] = k;
+        }
+    } else {
+        die("%s: missing key hybrid_override_pattern (or layers_block_type)", path);
+    }
+    if (c->n_layers == 0) die("%s: the model has no layers", path);
+    for (int i = 0; i < c->n_layers; i++)
+        if (c->kind[i] == 'E') die("%s: layer %d is a mixture-of-experts block; nemoh does not support MoE", path, i);
+    int nl = cfg_int(root, path, "num_hidden_layers", 0, c->n_layers);
+    if (nl != c->n_layers) die("%s: num_hidden_layers is %d but the pattern has %d layers", path, nl, c->n_layers);
+    int has_m = memchr(c->kind, 'M', c->n_layers) != NULL, has_a = memchr(c->kind, '*', c->n_layers) != NULL,
+        has_f = memchr(c->kind, '-', c->n_layers) != NULL;
+
+    c->vocab = cfg_int(root, path, "vocab_size", 1, 0);
+    c->hidden = cfg_int(root, path, "hidden_size", 1, 0);
+    const Json *eps = json_get(root, "rms_norm_eps");
+    if (!eps) eps = json_get(root, "layer_norm_epsilon");
+    if (eps && (eps->type != J_NUM || !(eps->num > 0 && eps->num < 1))) die("%s: bad norm epsilon", path);
+    c->eps = eps ? (float)eps->num : 1e-5f;  /* transformers' default */
+    c->ctx = cfg_int(root, path, "max_position_embeddings", 0, 4096);
+    if (has_a) {
+        c->n_heads = cfg_int(root, path, "num_attention_heads", 1, 0);
+        c->n_kv = cfg_int(root, path, "num_key_value_heads", 0, c->n_heads);
+        int hd = cfg_int(root, path, "head_dim", 0, 0);
+        c->head_dim = hd ? hd : cfg_int(root, path, "attention_head_dim", 0, c->n_heads ? c->hidden / c->n_heads : 0);
+        if (!c->n_heads || !c->n_kv || !c->head_dim || c->n_heads % c->n_kv)
+            die("%s: num_attention_heads must be a positive multiple of num_key_value_heads", path);
+        cfg_require(root, path, "attention_bias", 0);
+    }
+    if (has_f) {
+        c->mlp = cfg_int(root, path, "intermediate_size", 1, 0);
+        cfg_act(root, path, "mlp_hidden_act", "relu2");
+        cfg_require(root, path, "mlp_bias", 0);
+    }
+    if (has_m) {
+        c->m_heads = cfg_int(root, path, "mamba_num_heads", 1, 0);
+        c->m_hdim = cfg_int(root, path, "mamba_head_dim", 1, 0);
+        c->n_groups = cfg_int(root, path, "n_groups", 1, 0);
+        c->d_state = cfg_int(root, path, "ssm_state_size", 1, 0);
+        c->d_conv = cfg_int(root, path, "conv_kernel", 1, 0);
+        const Json *cb = json_get(root, "use_conv_bias");
+        c->conv_bias = !cb || cb->num != 0;
+        if (!c->m_heads || !c->m_hdim || !c->n_groups || !c->d_state || !c->d_conv || c->m_heads % c->n_groups)
+            die("%s: mamba_num_heads must be a positive multiple of n_groups (and sizes positive)", path);
+        cfg_act(root, path, "mamba_hidden_act", "silu");
+        cfg_require(root, path, "mamba_proj_bias", 0);
+        cfg_require(root, path, "use_bias", 0);
+    }
+    if (!c->vocab || !c->hidden || !c->ctx) die("%s: vocab_size, hidden_size and max_position_embeddings must be positive", path);
+    const Json *bos = json_get(root, "bos_token_id"), *eos = json_get(root, "eos_token_id");
+    c->bos = bos && bos->type == J_NUM ? (int)bos->num : -1;
+    if (eos && eos->type == J_ARR) {
+        for (const Json *e = eos->child; e && c->n_eos < MAX_EOS; e = e->next)
+            if (e->type == J_NUM) c->eos[c->n_eos++] = (int)e->num;
+    } else if (eos && eos->type == J_NUM) {
+        c->eos[c->n_eos++] = (int)eos->num;
+    }
+    json_free(&doc);
+    free(text);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Weights: each rank's views into the checkpoint, sharded as vLLM and sglang shard them
+ * ---------------------------------------------------------------------------------------------- */
+
+/* Tensor-parallel sizes; returns NULL if n ranks can split the model, else the reason. */
+static const char *shard_sizes(Shard *s, const Config *c, int rank, int n) {
+    int has_m = memchr(c->kind, 'M', c->n_layers) != NULL, has_a = memchr(c->kind, '*', c->n_layers) != NULL,
+        has_f = memchr(c->kind, '-', c->n_layers) != NULL;
+    if (has_m && (c->m_heads % n || c->n_groups % n)) return "mamba heads and n_groups";
+    if (has_a && (c->n_heads % n || (c->n_kv % n && n % c->n_kv))) return "attention heads (and kv heads, or be a multiple of them)";
+    if (has_f && c->mlp % n) return "the MLP size";
+    if (c->vocab % n) return "the vocabulary";
+    memset(s, 0, sizeof *s);
+    s->rank = rank;
+    s->n = n;
+    if (has_m) {
+        s->m_heads = c->m_heads / n;
+        s->groups = c->n_groups / n;
+        s->d_inner = s->m_heads * c->m_hdim;
+        s->conv = s->d_inner + 2 * s->groups * c->d_state;
+        s->in_proj = s->d_inner + s->conv + s->m_heads;
+    }
+    if (has_a) {
+        s->q = c->n_heads / n;
+        s->q0 = rank * s->q;
+        s->kv = c->n_kv >= n ? c->n_kv / n : 1;  /* more ranks than kv heads: replicate */
+        s->kv0 = s->q0 / (c->n_heads / c->n_kv);
+    }
+    s->mlp = has_f ? c->mlp / n : 0;
+    s->vocab = c->vocab / n;
+    return NULL;
+}
+
+/* Rows [r0, r0+rows) and columns [c0, c0+cols) of a 2-D tensor, as a view. */
+static Mat mat_view(const Tensor *t, long r0, long rows, long c0, long cols) {
+    long ld = t->ndim == 2 ? t->shape[1] : 1;
+    const char *p = (const char *)t->data + ((size_t)r0 * (size_t)ld + (size_t)c0) * (size_t)dtype_size[t->dtype];
+    return (Mat){p, t->dtype, (int)rows, (int)cols, (size_t)ld};
+}
+
+static float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, u;
+    if (exp == 31) u = sign | 0x7F800000u | man << 13;                  /* inf, nan */
+    else if (exp) u = sign | (exp + 112) << 23 | man << 13;              /* normal */
+    else if (!man) u = sign;                                             /* zero */
+    else { float f = ldexpf((float)man, -24); memcpy(&u, &f, 4); u |= sign; }  /* subnormal */
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Element i of a stored row, as fp32. */
+static float load_f32(const void *p, int dtype, size_t i) {
+    if (dtype == DT_F32) { float f; memcpy(&f, (const char *)p + 4 * i, 4); return f; }
+    uint16_t h;
+    memcpy(&h, (const char *)p + 2 * i, 2);
+    return dtype == DT_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+/* An fp32 copy of elements [i0, i0+n) of a small tensor (norms, conv, A_log, D, dt_bias). */
+static float *small_f32(const Tensor *t, size_t i0, size_t n) {
+    float *out = xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) out[i] = load_f32(t->data, t->dtype, i0 + i);
+    return out;
+}
+
+/* Rank `s->rank`'s weights: views for the matrices, fp32 copies of the small vectors. */
+static void build_weights(Weights *w, const Checkpoint *ck, const Config *c, const Shard *s) {
+    char name[256];
+    int H = c->hidden, r = s->rank;
+    memset(w, 0, sizeof *w);
+    const Tensor *emb = st_find(ck, "embeddings.weight");
+    if (!emb) emb = st_find(ck, "embedding.weight");  /* older NVIDIA checkpoints */
+    emb = st_get(ck, emb ? emb->name : "embeddings.weight", c->vocab, H);
+    w->embed = mat_view(emb, 0, c->vocab, 0, H);
+    w->lm_head = mat_view(st_get(ck, "lm_head.weight", c->vocab, H), (long)r * s->vocab, s->vocab, 0, H);
+    w->norm_f = small_f32(st_get(ck, "norm_f.weight", H, 0), 0, (size_t)H);
+#define T2(field, d0, d1) (snprintf(name, sizeof name, "layers.%d.%s", l, field), st_get(ck, name, d0, d1))
+    for (int l = 0; l < c->n_layers; l++) {
+        Layer *L = &w->layer[l];
+        L->kind = c->kind[l];
+        L->norm = small_f32(T2("norm.weight", H, 0), 0, (size_t)H);
+        if (L->kind == 'M') {
+            int di = c->m_heads * c->m_hdim, gn = c->n_groups * c->d_state, conv = di + 2 * gn, gl = s->groups * c->d_state;
+            const Tensor *in = T2("mixer.in_proj.weight", 2 * di + 2 * gn + c->m_heads, H);
+            /* each segment of [z | x | B | C | dt] is split contiguously, so heads and groups stay whole */
+            long seg0[5] = {0, di, 2L * di, 2L * di + gn, 2L * di + 2L * gn};
+            long rows[5] = {s->d_inner, s->d_inner, gl, gl, s->m_heads};
+            for (int k = 0; k < 5; k++) L->in_proj[k] = mat_view(in, seg0[k] + r * rows[k], rows[k], 0, H);
+            const Tensor *cw = T2("mixer.conv1d.weight", conv, c->d_conv);
+            size_t K = (size_t)c->d_conv;
+            L->conv_w = xmalloc((size_t)s->conv * K * sizeof(float));
+            L->conv_b = xcalloc((size_t)s->conv, sizeof(float));
+            const Tensor *cb = c->conv_bias ? T2("mixer.conv1d.bias", conv, 0) : NULL;
+            /* local conv channels: this rank's x, then its B, then its C */
+            long ch0[3] = {(long)r * s->d_inner, di + (long)r * gl, di + gn + (long)r * gl};
+            long nch[3] = {s->d_inner, gl, gl};
+            for (int k = 0, o = 0; k < 3; o += (int)nch[k], k++)
+                for (long i = 0; i < nch[k]; i++) {
+                    for (size_t j = 0; j < K; j++) L->conv_w[(o + i) * K + j] = load_f32(cw->data, cw->dtype, (ch0[k] + i) * K + j);
+                    if (cb) L->conv_b[o + i] = load_f32(cb->data, cb->dtype, (size_t)(ch0[k] + i));
+                }
+            size_t h0 = (size_t)r * s->m_heads, nh = (size_t)s->m_heads;
+            L->A = small_f32(T2("mixer.A_log", c->m_heads, 0), h0, nh);
+            for (size_t i = 0; i < nh; i++) L->A[i] = -expf(L->A[i]);  /* A = -exp(A_log) */
+            L->D = small_f32(T2("mixer.D", c->m_heads, 0), h0, nh);
+            L->dt_bias = small_f32(T2("mixer.dt_bias", c->m_heads, 0), h0, nh);
+            L->gnorm = small_f32(T2("mixer.norm.weight", di, 0), (size_t)r * s->d_inner, (size_t)s->d_inner);
+            L->out = mat_view(T2("mixer.out_proj.weight", H, di), 0, H, (long)r * s->d_inner, s->d_inner);
+        } else if (L->kind == '*') {
+            int hd = c->head_dim;
+            L->wq = mat_view(T2("mixer.q_proj.weight", c->n_heads * hd, H), (long)s->q0 * hd, s->q * hd, 0, H);
+            L->wk = mat_view(T2("mixer.k_proj.weight", c->n_kv * hd, H), (long)s->kv0 * hd, s->kv * hd, 0, H);
+            L->wv = mat_view(T2("mixer.v_proj.weight", c->n_kv * hd, H), (long)s->kv0 * hd, s->kv * hd, 0, H);
+            L->wo = mat_view(T2("mixer.o_proj.weight", H, c->n_heads * hd), 0, H, (long)s->q0 * hd, s->q * hd);
+        } else {
+            L->up = mat_view(T2("mixer.up_proj.weight", c->mlp, H), (long)r * s->mlp, s->mlp, 0, H);
+            L->down = mat_view(T2("mixer.down_proj.weight", H, c->mlp), 0, H, (long)r * s->mlp, s->mlp);
+        }
+    }
+#undef T2
+}
+
+static void free_weights(Weights *w, const Config *c) {
+    free(w->norm_f);
+    for (int l = 0; l < c->n_layers; l++) {
+        Layer *L = &w->layer[l];
+        free(L->norm); free(L->conv_w); free(L->conv_b); free(L->A); free(L->D); free(L->dt_bias); free(L->gnorm);
+    }
+}
+
 /* ------------------------------------------------------------------------------------------------
  * Tokenizer: Hugging Face tokenizer.json, byte-level BPE (Tekken and GPT-2 splits)
  * ---------------------------------------------------------------------------------------------- */
@@ -341,3 +781,778 @@ static const Json *json_at(const Json *a, int i) {
 /* ------------------------------------------------------------------------------------------------
  * CPU backend: the plain-C reference, fp32 arithmetic on the stored weights
  * ---------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    int n;                      /* ranks */
+    pthread_barrier_t bar;      /* all ranks meet here around every host all-reduce */
+    float **pend;               /* [n] each rank's pending buffer, read by every rank */
+    float *logits;              /* [t_max, vocab] gathered logits: rank r writes columns of its slice */
+} CpuShared;
+
+typedef struct {
+    float *res;                 /* [t_max, hidden] residual stream (identical on every rank) */
+    float *x;                   /* [t_max, hidden] normed input of the current mixer */
+    float *pend;                /* [t_max, hidden] partial sums the current layer still owes */
+    float *sum;                 /* [t_max, hidden] scratch for the all-reduce */
+    float *proj;                /* [t_max, proj_w] input projections: [z|x|B|C|dt], [q|k|v] or up */
+    float *xbc;                 /* [t_max, conv] conv1d + SiLU output */
+    float *y;                   /* [t_max, max(d_inner, q*head_dim)] mixer output before out_proj */
+    float *hist;                /* [d_conv - 1 + t_max] one conv channel's input history */
+    float *att;                 /* [ctx] attention weights of one query */
+    float **conv;               /* [n_layers] Mamba: [conv, d_conv-1] last inputs, oldest first */
+    float **ssm;                /* [n_layers] Mamba: [m_heads, m_hdim, d_state] fp32 state */
+    float **k, **v;             /* [n_layers] attention: [ctx, kv*head_dim] cache */
+    int proj_w;                 /* columns of proj */
+} CpuState;
+
+static int cpu_threads = 1;     /* OpenMP threads per rank: the cores shared among the ranks */
+
+/* Row i of W dotted with x: sum_k W[i][k] * x[k], in fp32, 16 lanes so the compiler vectorises. */
+static float dot_row(const Mat *W, int i, const float *x) {
+    int n = W->cols, k = 0;
+    float acc[16] = {0}, s = 0;
+    if (W->dtype == DT_F32) {
+        const float *w = (const float *)W->data + (size_t)i * W->ld;
+        for (; k + 16 <= n; k += 16)
+            for (int j = 0; j < 16; j++) acc[j] += w[k + j] * x[k + j];
+        for (; k < n; k++) s += w[k] * x[k];
+    } else if (W->dtype == DT_BF16) {
+        const uint16_t *w = (const uint16_t *)W->data + (size_t)i * W->ld;
+        for (; k + 16 <= n; k += 16)
+            for (int j = 0; j < 16; j++) acc[j] += bf16_to_f32(w[k + j]) * x[k + j];
+        for (; k < n; k++) s += bf16_to_f32(w[k]) * x[k];
+    } else {
+        const uint16_t *w = (const uint16_t *)W->data + (size_t)i * W->ld;
+        for (; k < n; k++) s += f16_to_f32(w[k]) * x[k];
+    }
+    for (int j = 0; j < 16; j++) s += acc[j];
+    return s;
+}
+
+/* out[t][i] = sum_k W[i][k] x[t][k] for T rows of x (row strides ldo, ldx). */
+static void matmul(float *out, int ldo, const float *x, int ldx, int T, const Mat *W) {
+#pragma omp parallel for num_threads(cpu_threads) schedule(static)
+    for (int i = 0; i < W->rows; i++)
+        for (int t = 0; t < T; t++) out[(size_t)t * ldo + i] = dot_row(W, i, x + (size_t)t * ldx);
+}
+
+static float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* softplus(x) = log(1 + e^x), linear above 20 as torch and the Mamba kernels do */
+static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* out = x * rsqrt(mean(x^2) + eps) * w over n elements */
+static void rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
+    float ss = 0;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    float scale = 1.0f / sqrtf(ss / n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
+}
+
+static void cpu_init(Rank *r) {
+    const Config *c = r->c;
+    const Shard *s = &r->s;
+    CpuState *st = xcalloc(1, sizeof *st);
+    size_t H = (size_t)c->hidden, T = (size_t)r->t_max;
+    int qkv = (s->q + 2 * s->kv) * c->head_dim;
+    st->proj_w = s->in_proj > qkv ? s->in_proj : qkv;
+    if (s->mlp > st->proj_w) st->proj_w = s->mlp;
+    int yw = s->d_inner > s->q * c->head_dim ? s->d_inner : s->q * c->head_dim;
+    st->res = xcalloc(T * H, sizeof(float));
+    st->x = xcalloc(T * H, sizeof(float));
+    st->pend = xcalloc(T * H, sizeof(float));
+    st->sum = xcalloc(T * H, sizeof(float));
+    st->proj = xcalloc(T * (size_t)st->proj_w, sizeof(float));
+    st->xbc = xcalloc(T * (size_t)(s->conv ? s->conv : 1), sizeof(float));
+    st->y = xcalloc(T * (size_t)(yw ? yw : 1), sizeof(float));
+    st->hist = xcalloc((size_t)c->d_conv + T, sizeof(float));
+    st->att = xcalloc((size_t)r->ctx, sizeof(float));
+    st->conv = xcalloc((size_t)c->n_layers, sizeof(float *));
+    st->ssm = xcalloc((size_t)c->n_layers, sizeof(float *));
+    st->k = xcalloc((size_t)c->n_layers, sizeof(float *));
+    st->v = xcalloc((size_t)c->n_layers, sizeof(float *));
+    for (int l = 0; l < c->n_layers; l++) {
+        if (c->kind[l] == 'M') {
+            st->conv[l] = xcalloc((size_t)s->conv * (size_t)(c->d_conv - 1), sizeof(float));
+            st->ssm[l] = xcalloc((size_t)s->d_inner * (size_t)c->d_state, sizeof(float));
+        } else if (c->kind[l] == '*') {
+            st->k[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
+            st->v[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
+        }
+    }
+    r->st = st;
+    CpuShared *sh = r->sh;
+    sh->pend[s->rank] = st->pend;
+}
+
+static void cpu_free(Rank *r) {
+    CpuState *st = r->st;
+    for (int l = 0; l < r->c->n_layers; l++) { free(st->conv[l]); free(st->ssm[l]); free(st->k[l]); free(st->v[l]); }
+    free(st->conv); free(st->ssm); free(st->k); free(st->v);
+    free(st->res); free(st->x); free(st->pend); free(st->sum); free(st->proj); free(st->xbc); free(st->y);
+    free(st->hist); free(st->att);
+    free(st);
+    r->st = NULL;
+}
+
+/* residual[t] = embedding[tok[t]] */
+static void cpu_embed(Rank *r, const int *tok, int T) {
+    CpuState *st = r->st;
+    int H = r->c->hidden;
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < H; i++) st->res[(size_t)t * H + i] = load_f32(r->w.embed.data, r->w.embed.dtype, (size_t)tok[t] * r->w.embed.ld + i);
+}
+
+/* sum = pend_0 + pend_1 + ... in rank order, so every rank gets bit-identical sums. The barriers:
+ * before, every rank has written its partial sums; after, none overwrites them while others read. */
+static void host_allreduce(Rank *r, float *sum, int T) {
+    CpuShared *sh = r->sh;
+    size_t n = (size_t)T * r->c->hidden;
+    pthread_barrier_wait(&sh->bar);
+    memcpy(sum, sh->pend[0], n * sizeof(float));
+    for (int k = 1; k < sh->n; k++)
+        for (size_t i = 0; i < n; i++) sum[i] += sh->pend[k][i];
+    pthread_barrier_wait(&sh->bar);
+}
+
+static void cpu_allreduce(Rank *r, int T) {
+    CpuState *st = r->st;
+    host_allreduce(r, st->sum, T);
+    memcpy(st->pend, st->sum, (size_t)T * r->c->hidden * sizeof(float));
+}
+
+static void cpu_norm(Rank *r, int l, int how, int T) {
+    CpuState *st = r->st;
+    int H = r->c->hidden;
+    const float *w = l < r->c->n_layers ? r->w.layer[l].norm : r->w.norm_f;
+    const float *add = how == NORM_PLAIN ? NULL : st->pend;
+    if (how == NORM_FUSED) {   /* the deferred all-reduce, then the add and the norm, in one pass */
+        host_allreduce(r, st->sum, T);
+        add = st->sum;
+    }
+    for (int t = 0; t < T; t++) {
+        float *res = st->res + (size_t)t * H;
+        if (add) for (int i = 0; i < H; i++) res[i] += add[(size_t)t * H + i];
+        rmsnorm(st->x + (size_t)t * H, res, w, H, r->c->eps);
+    }
+}
+
+/* Mamba2 mixer over T tokens at positions pos.. (the state carries everything before pos). */
+static void cpu_mamba(Rank *r, int l, int T, int pos) {
+    (void)pos;
+    const Config *c = r->c;
+    const Shard *s = &r->s;
+    const Layer *L = &r->w.layer[l];
+    CpuState *st = r->st;
+    int H = c->hidden, di = s->d_inner, cv = s->conv, nh = s->m_heads, P = c->m_hdim, N = c->d_state;
+    int K = c->d_conv, G = s->groups, in = s->in_proj, gsize = di / G;
+
+    /* [z | x | B | C | dt] = in_proj(x), each segment from its own row slice */
+    int off = 0;
+    for (int k = 0; k < 5; off += L->in_proj[k].rows, k++) matmul(st->proj + off, in, st->x, H, T, &L->in_proj[k]);
+
+    /* xbc[t] = silu(bias + sum_j w[j] * in[t - (K-1) + j]): causal depthwise conv over x|B|C */
+    for (int ch = 0; ch < cv; ch++) {
+        float *hist = st->hist, *state = st->conv[l] + (size_t)ch * (K - 1);
+        memcpy(hist, state, (size_t)(K - 1) * sizeof(float));
+        for (int t = 0; t < T; t++) hist[K - 1 + t] = st->proj[(size_t)t * in + di + ch];
+        for (int t = 0; t < T; t++) {
+            float acc = L->conv_b[ch];
+            for (int j = 0; j < K; j++) acc += L->conv_w[ch * K + j] * hist[t + j];
+            st->xbc[(size_t)t * cv + ch] = silu(acc);
+        }
+        memcpy(state, hist + T, (size_t)(K - 1) * sizeof(float));
+    }
+
+    /* the selective scan, per head h of group g = h / (heads per group):
+     * dt = softplus(dt + dt_bias); S = exp(dt*A) * S + dt * x (x) B; y = S.C + D * x */
+    for (int t = 0; t < T; t++) {
+        const float *xt = st->xbc + (size_t)t * cv, *Bt = xt + di, *Ct = Bt + G * N;
+        for (int h = 0; h < nh; h++) {
+            int g = h / (nh / G);
+            float dt = softplus(st->proj[(size_t)t * in + di + cv + h] + L->dt_bias[h]);
+            float dA = expf(dt * L->A[h]);
+            for (int p = 0; p < P; p++) {
+                float *S = st->ssm[l] + ((size_t)h * P + p) * N, xv = xt[h * P + p], y = 0;
+                for (int n = 0; n < N; n++) {
+                    S[n] = dA * S[n] + dt * xv * Bt[g * N + n];
+                    y += S[n] * Ct[g * N + n];
+                }
+                st->y[(size_t)t * di + h * P + p] = y + L->D[h] * xv;
+            }
+        }
+    }
+
+    /* u = y * silu(z), then RMSNorm over each group of d_inner/G channels, times norm.weight */
+    for (int t = 0; t < T; t++) {
+        float *y = st->y + (size_t)t * di;
+        const float *z = st->proj + (size_t)t * in;
+        for (int i = 0; i < di; i++) y[i] *= silu(z[i]);
+        for (int g = 0; g < G; g++) rmsnorm(y + g * gsize, y + g * gsize, L->gnorm + g * gsize, gsize, c->eps);
+    }
+    matmul(st->pend, H, st->y, di, T, &L->out);  /* row-parallel: partial sums, reduced later */
+}
+
+/* Causal GQA attention with no positional encoding; keys and values cached per position. */
+static void cpu_attention(Rank *r, int l, int T, int pos) {
+    const Config *c = r->c;
+    const Shard *s = &r->s;
+    const Layer *L = &r->w.layer[l];
+    CpuState *st = r->st;
+    int H = c->hidden, hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, w = qw + 2 * kw;
+    int group = c->n_heads / c->n_kv;
+    float scale = 1.0f / sqrtf((float)hd);
+    matmul(st->proj, w, st->x, H, T, &L->wq);
+    matmul(st->proj + qw, w, st->x, H, T, &L->wk);
+    matmul(st->proj + qw + kw, w, st->x, H, T, &L->wv);
+    for (int t = 0; t < T; t++) {
+        memcpy(st->k[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * w + qw, (size_t)kw * sizeof(float));
+        memcpy(st->v[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * w + qw + kw, (size_t)kw * sizeof(float));
+    }
+    for (int t = 0; t < T; t++) {
+        int n = pos + t + 1;  /* keys 0..pos+t */
+        for (int h = 0; h < s->q; h++) {
+            const float *q = st->proj + (size_t)t * w + h * hd;
+            int kvh = (s->q0 + h) / group - s->kv0;
+            /* a_j = softmax_j(q . k_j / sqrt(head_dim)); out = sum_j a_j v_j */
+            float mx = -INFINITY, sum = 0;
+            for (int j = 0; j < n; j++) {
+                const float *k = st->k[l] + (size_t)j * kw + kvh * hd;
+                float d = 0;
+                for (int i = 0; i < hd; i++) d += q[i] * k[i];
+                st->att[j] = d * scale;
+                if (st->att[j] > mx) mx = st->att[j];
+            }
+            for (int j = 0; j < n; j++) sum += st->att[j] = expf(st->att[j] - mx);
+            float *out = st->y + (size_t)t * qw + h * hd;
+            memset(out, 0, (size_t)hd * sizeof(float));
+            for (int j = 0; j < n; j++) {
+                const float *v = st->v[l] + (size_t)j * kw + kvh * hd;
+                float a = st->att[j] / sum;
+                for (int i = 0; i < hd; i++) out[i] += a * v[i];
+            }
+        }
+    }
+    matmul(st->pend, H, st->y, qw, T, &L->wo);
+}
+
+/* MLP: down(relu(up(x))^2) */
+static void cpu_mlp(Rank *r, int l, int T) {
+    const Layer *L = &r->w.layer[l];
+    CpuState *st = r->st;
+    int H = r->c->hidden, m = r->s.mlp;
+    matmul(st->proj, m, st->x, H, T, &L->up);
+    for (size_t i = 0; i < (size_t)T * m; i++) {
+        float u = st->proj[i] > 0 ? st->proj[i] : 0;
+        st->proj[i] = u * u;
+    }
+    matmul(st->pend, H, st->proj, m, T, &L->down);
+}
+
+/* Logits of the last row (or all T rows): each rank fills its vocabulary slice of the shared rows. */
+static void cpu_logits(Rank *r, int T, int all) {
+    CpuState *st = r->st;
+    CpuShared *sh = r->sh;
+    int H = r->c->hidden, V = r->c->vocab, rows = all ? T : 1;
+    const float *x = st->x + (size_t)(all ? 0 : T - 1) * H;
+    matmul(sh->logits + (size_t)r->s.rank * r->s.vocab, V, x, H, rows, &r->w.lm_head);
+    pthread_barrier_wait(&sh->bar);
+}
+
+static int sample_logits(const float *logits, int V, float temp, float topp, uint64_t seed, uint64_t step);
+
+static int cpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t step) {
+    CpuShared *sh = r->sh;
+    return sample_logits(sh->logits, r->c->vocab, temp, topp, seed, step);
+}
+
+static const float *cpu_host_logits(Rank *r, int rows) {
+    (void)rows;
+    return ((CpuShared *)r->sh)->logits;
+}
+
+static void *cpu_setup(const Config *c, int n, int t_max) {
+    CpuShared *sh = xcalloc(1, sizeof *sh);
+    sh->n = n;
+    pthread_barrier_init(&sh->bar, NULL, (unsigned)n);
+    sh->pend = xcalloc((size_t)n, sizeof(float *));
+    sh->logits = xcalloc((size_t)t_max * (size_t)c->vocab, sizeof(float));
+    return sh;
+}
+
+static void cpu_teardown(void *p) {
+    CpuShared *sh = p;
+    pthread_barrier_destroy(&sh->bar);
+    free(sh->pend);
+    free(sh->logits);
+    free(sh);
+}
+
+static const Backend cpu_backend = {
+    .name = "cpu", .setup = cpu_setup, .teardown = cpu_teardown, .init = cpu_init, .free = cpu_free, .embed = cpu_embed, .norm = cpu_norm,
+    .mamba = cpu_mamba, .attention = cpu_attention, .mlp = cpu_mlp, .allreduce = cpu_allreduce,
+    .logits = cpu_logits, .sample = cpu_sample, .host_logits = cpu_host_logits,
+};
+
+/* ------------------------------------------------------------------------------------------------
+ * The layer loop: one forward step, the same for every backend and every rank
+ * ---------------------------------------------------------------------------------------------- */
+
+/* T tokens at positions pos..pos+T-1 through the model on one rank. Each mixer leaves partial sums
+ * in `pending` (its output projection is row-parallel); the next layer's entry settles them with one
+ * fused all-reduce + residual add + RMSNorm, and only after the last layer is there a plain
+ * all-reduce. With fuse off, every layer all-reduces at its end instead. */
+static void forward(Rank *r, const int *tok, int T, int pos, int all_logits) {
+    const Backend *be = r->be;
+    const Config *c = r->c;
+    if (be->replay && be->replay(r, tok, T, pos)) return;
+    if (be->begin) be->begin(r, tok, T, pos);
+    be->embed(r, tok, T);
+    int pending = 0;
+    for (int l = 0; l < c->n_layers; l++) {
+        int how = !pending ? NORM_PLAIN : r->fuse ? NORM_FUSED : NORM_ADD;
+        if (r->trace && r->s.rank == 0)
+            fprintf(stderr, "layer %3d  %-6s %-44s pending in: %s\n", l,
+                    c->kind[l] == 'M' ? "mamba" : c->kind[l] == '*' ? "attn" : "mlp",
+                    how == NORM_PLAIN ? "rmsnorm" : how == NORM_FUSED ? "fused all-reduce + add + rmsnorm" : "add + rmsnorm",
+                    pending ? (r->fuse ? "yes (reduced here)" : "yes (reduced at last layer's end)") : "no");
+        be->norm(r, l, how, T);
+        if (c->kind[l] == 'M') be->mamba(r, l, T, pos);
+        else if (c->kind[l] == '*') be->attention(r, l, T, pos);
+        else be->mlp(r, l, T);
+        if (!r->fuse) be->allreduce(r, T);
+        pending = 1;
+    }
+    if (r->fuse) be->allreduce(r, T);
+    if (r->trace && r->s.rank == 0)
+        fprintf(stderr, "final      %s all-reduce, then add + rmsnorm(norm_f), lm_head\n", r->fuse ? "plain" : "no");
+    be->norm(r, c->n_layers, NORM_ADD, T);
+    be->logits(r, T, all_logits);
+    if (be->end) be->end(r, T);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Ranks: one host thread per tensor-parallel rank, each running the layer loop on its shard
+ * ---------------------------------------------------------------------------------------------- */
+
+typedef struct Engine Engine;
+struct Engine {
+    Config c;                   /* model configuration */
+    Checkpoint ck;              /* the mmapped checkpoint (or a synthetic one) */
+    const Backend *be;          /* backend of every rank */
+    int n;                      /* ranks */
+    Rank *rank;                 /* [n] */
+    void *sh;                   /* backend state shared by the ranks */
+    pthread_t *thread;          /* [n] workers; with one rank the caller runs it */
+    pthread_barrier_t go, done; /* n + 1 parties: the workers and the caller */
+    void (*job)(Rank *, void *);  /* what every rank runs next */
+    void *arg;                  /* its argument */
+    int quit;                   /* workers exit at the next go */
+};
+
+typedef struct { Engine *e; int i; } Worker;
+
+static void *worker_main(void *p) {
+    Worker w = *(Worker *)p;
+    free(p);
+    for (;;) {
+        pthread_barrier_wait(&w.e->go);
+        if (w.e->quit) return NULL;
+        w.e->job(&w.e->rank[w.i], w.e->arg);
+        pthread_barrier_wait(&w.e->done);
+    }
+}
+
+/* Runs job on every rank, each on its own thread, and waits for all. */
+static void run_ranks(Engine *e, void (*job)(Rank *, void *), void *arg) {
+    if (e->n == 1) { job(&e->rank[0], arg); return; }
+    e->job = job;
+    e->arg = arg;
+    pthread_barrier_wait(&e->go);
+    pthread_barrier_wait(&e->done);
+}
+
+static void job_init(Rank *r, void *arg) { (void)arg; r->be->init(r); }
+static void job_free(Rank *r, void *arg) { (void)arg; r->be->free(r); }
+
+typedef struct { const int *tok; int T, pos, all; } FwdArgs;
+static void job_forward(Rank *r, void *arg) {
+    FwdArgs *a = arg;
+    forward(r, a->tok, a->T, a->pos, a->all);
+}
+
+typedef struct { float temp, topp; uint64_t seed, step; int *out; } SampleArgs;
+static void job_sample(Rank *r, void *arg) {
+    SampleArgs *a = arg;
+    a->out[r->s.rank] = r->be->sample(r, a->temp, a->topp, a->seed, a->step);
+}
+
+/* Loads the shards, starts one thread per rank and lets the backend set up each rank. */
+static void build_engine(Engine *e, const Backend *be, int n, int t_max, int ctx, int fuse) {
+    e->be = be;
+    e->n = n;
+    e->sh = be->setup(&e->c, n, t_max);
+    e->rank = xcalloc((size_t)n, sizeof(Rank));
+    for (int i = 0; i < n; i++) {
+        Rank *r = &e->rank[i];
+        shard_sizes(&r->s, &e->c, i, n);
+        build_weights(&r->w, &e->ck, &e->c, &r->s);
+        r->c = &e->c;
+        r->be = be;
+        r->sh = e->sh;
+        r->t_max = t_max;
+        r->ctx = ctx;
+        r->fuse = fuse;
+        r->gpu = i;
+    }
+    if (n > 1) {
+        e->thread = xcalloc((size_t)n, sizeof(pthread_t));
+        pthread_barrier_init(&e->go, NULL, (unsigned)n + 1);
+        pthread_barrier_init(&e->done, NULL, (unsigned)n + 1);
+        for (int i = 0; i < n; i++) {
+            Worker *w = xmalloc(sizeof *w);
+            *w = (Worker){e, i};
+            if (pthread_create(&e->thread[i], NULL, worker_main, w) != 0) die("cannot start rank thread %d", i);
+        }
+    }
+    run_ranks(e, job_init, NULL);
+}
+
+static void free_engine(Engine *e) {
+    run_ranks(e, job_free, NULL);
+    if (e->n > 1) {
+        e->quit = 1;
+        pthread_barrier_wait(&e->go);
+        for (int i = 0; i < e->n; i++) pthread_join(e->thread[i], NULL);
+        pthread_barrier_destroy(&e->go);
+        pthread_barrier_destroy(&e->done);
+        free(e->thread);
+    }
+    for (int i = 0; i < e->n; i++) free_weights(&e->rank[i].w, &e->c);
+    e->be->teardown(e->sh);
+    free(e->rank);
+}
+
+/* One forward step on all ranks. */
+static void engine_forward(Engine *e, const int *tok, int T, int pos, int all) {
+    FwdArgs a = {tok, T, pos, all};
+    run_ranks(e, job_forward, &a);
+}
+
+/* Every rank samples from its own gathered logits; they must agree. */
+static int engine_sample(Engine *e, float temp, float topp, uint64_t seed, uint64_t step) {
+    int out[64];
+    SampleArgs a = {temp, topp, seed, step, out};
+    run_ranks(e, job_sample, &a);
+    for (int i = 1; i < e->n; i++)
+        if (out[i] != out[0]) die("ranks disagree on the sampled token (rank 0: %d, rank %d: %d)", out[0], i, out[i]);
+    return out[0];
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Sampler
+ * ---------------------------------------------------------------------------------------------- */
+
+/* temp 0: the argmax (the first, on ties). Otherwise p_i ~ exp((l_i - max) / temp); top-p keeps every
+ * token whose probability reaches a threshold, the highest one whose kept mass is still >= topp
+ * (found by bisection, so no sort), and draws among them in index order with coin(seed, step). */
+static int sample_logits(const float *l, int V, float temp, float topp, uint64_t seed, uint64_t step) {
+    int best = 0;
+    for (int i = 1; i < V; i++) if (l[i] > l[best]) best = i;
+    if (temp <= 0) return best;
+    float *p = xmalloc((size_t)V * sizeof(float));
+    double total = 0;
+    for (int i = 0; i < V; i++) total += p[i] = expf((l[i] - l[best]) / temp);
+    float lo = 0, hi = 1;  /* mass(lo) >= topp * total always holds; mass(th) = sum of p_i >= th */
+    if (topp < 1) {
+        for (int it = 0; it < 40; it++) {
+            float mid = 0.5f * (lo + hi);
+            double mass = 0;
+            for (int i = 0; i < V; i++) mass += p[i] >= mid ? p[i] : 0;
+            if (mass >= topp * total) lo = mid; else hi = mid;
+        }
+    }
+    double kept = 0;
+    for (int i = 0; i < V; i++) kept += p[i] >= lo ? p[i] : 0;
+    double target = coin(seed, step) * kept, cum = 0;
+    int pick = best;
+    for (int i = 0; i < V; i++) {
+        if (p[i] < lo) continue;
+        cum += p[i];
+        pick = i;
+        if (cum > target) break;
+    }
+    free(p);
+    return pick;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Synthetic models: the published shapes with random weights, for bring-up and benchmarks
+ * ---------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    const char *name;
+    int hidden, n_heads, n_kv, head_dim, mlp, m_heads, m_hdim, n_groups, d_state, vocab, ctx;
+    const char *pattern;
+} Preset;
+
+#define NH8B_PATTERN "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+static const Preset presets[] = {
+    {"nemotron-h-8b", 4096, 32, 8, 128, 21504, 128, 64, 8, 128, 131072, 8192, NH8B_PATTERN},
+    {"nemotron-h-4b", 3072, 32, 8, 128, 12288, 112, 64, 8, 128, 131072, 8192, NH8B_PATTERN},
+    {"nemotron-h-56b", 8192, 64, 8, 128, 32768, 256, 64, 8, 256, 131072, 8192,
+     "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-"
+     "M-M-M-M-M*-M-M-M-M-M-"},
+    {"nemotron-nano-9b-v2", 4480, 40, 8, 128, 15680, 128, 80, 8, 128, 131072, 131072,
+     "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"},
+    {"synthetic-100m", 768, 6, 2, 128, 3072, 24, 64, 8, 128, 32768, 4096, "M-M-M*-M-M-M*-"},
+};
+
+static const Preset *find_preset(const char *name) {
+    for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
+        if (strcmp(presets[i].name, name) == 0) return &presets[i];
+    char list[512] = "";
+    for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) strcat(strcat(list, " "), presets[i].name);
+    die("--random %s: unknown preset; known:%s", name, list);
+    return NULL;
+}
+
+static void preset_config(Config *c, const Preset *p) {
+    memset(c, 0, sizeof *c);
+    c->n_layers = (int)strlen(p->pattern);
+    memcpy(c->kind, p->pattern, (size_t)c->n_layers);
+    c->vocab = p->vocab; c->hidden = p->hidden; c->eps = 1e-5f; c->ctx = p->ctx;
+    c->n_heads = p->n_heads; c->n_kv = p->n_kv; c->head_dim = p->head_dim; c->mlp = p->mlp;
+    c->m_heads = p->m_heads; c->m_hdim = p->m_hdim; c->n_groups = p->n_groups; c->d_state = p->d_state;
+    c->d_conv = 4; c->conv_bias = 1; c->bos = 1; c->eos[0] = 2; c->n_eos = 1;
+}
+
+enum { W_MAT, W_ONE, W_ALOG, W_DTB, W_CONV, W_BIAS };  /* how a synthetic tensor is drawn */
+
+/* Adds one synthetic tensor: bf16 matrices uniform with std fan_in^-0.5, fp32 vectors as a trained
+ * model has them (norms near 1, A in [-16, -1], dt = softplus(dt_bias) log-uniform in [1e-3, 0.1]). */
+static void add_random(Checkpoint *ck, const char *name, int dtype, long d0, long d1, int what, uint64_t seed) {
+    if (ck->n == ck->cap) {
+        ck->cap = ck->cap ? 2 * ck->cap : 256;
+        ck->t = realloc(ck->t, (size_t)ck->cap * sizeof(Tensor));
+        if (!ck->t) die("out of memory");
+    }
+    Tensor *t = &ck->t[ck->n++];
+    size_t numel = (size_t)d0 * (size_t)(d1 ? d1 : 1);
+    *t = (Tensor){strdup(name), dtype, d1 ? 2 : 1, {d0, d1}, NULL, ck->dir};
+    void *buf = xmalloc(numel * (size_t)dtype_size[dtype]);
+    float a = d1 ? sqrtf(3.0f / (float)d1) : 0;
+    for (size_t k = 0; k < numel; k++) {
+        float u = coin(seed + (uint64_t)ck->n * 0x9E3779B9u, k), v;
+        switch (what) {
+        case W_MAT: v = (2 * u - 1) * a; break;
+        case W_ONE: v = 1.0f + 0.1f * (u - 0.5f); break;
+        case W_ALOG: v = logf(1.0f + 15.0f * u); break;
+        case W_DTB: { float dt = expf(logf(1e-3f) + u * logf(100.0f)); v = dt + logf(-expm1f(-dt)); break; }
+        case W_CONV: v = (2 * u - 1) * 0.5f; break;
+        default: v = 0.1f * (2 * u - 1);
+        }
+        if (dtype == DT_F32) { ((float *)buf)[k] = v; continue; }
+        uint32_t b;  /* round to nearest even bf16 */
+        memcpy(&b, &v, 4);
+        ((uint16_t *)buf)[k] = (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1)) >> 16);
+    }
+    t->data = buf;
+}
+
+/* A checkpoint held in memory with every tensor the config names. */
+static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t seed) {
+    memset(ck, 0, sizeof *ck);
+    ck->dir = "(random)";
+    ck->owned = 1;
+    int H = c->hidden, di = c->m_heads * c->m_hdim, gn = c->n_groups * c->d_state, q = c->n_heads * c->head_dim,
+        kv = c->n_kv * c->head_dim;
+    char nm[128];
+    add_random(ck, "backbone.embeddings.weight", DT_BF16, c->vocab, H, W_MAT, seed);
+    add_random(ck, "backbone.norm_f.weight", DT_F32, H, 0, W_ONE, seed);
+    add_random(ck, "lm_head.weight", DT_BF16, c->vocab, H, W_MAT, seed);
+    for (int l = 0; l < c->n_layers; l++) {
+#define ADD(field, dt, d0, d1, what) (snprintf(nm, sizeof nm, "backbone.layers.%d.%s", l, field), add_random(ck, nm, dt, d0, d1, what, seed))
+        ADD("norm.weight", DT_F32, H, 0, W_ONE);
+        if (c->kind[l] == 'M') {
+            ADD("mixer.in_proj.weight", DT_BF16, 2 * di + 2 * gn + c->m_heads, H, W_MAT);
+            ADD("mixer.conv1d.weight", DT_F32, di + 2 * gn, c->d_conv, W_CONV);
+            ADD("mixer.conv1d.bias", DT_F32, di + 2 * gn, 0, W_BIAS);
+            ADD("mixer.A_log", DT_F32, c->m_heads, 0, W_ALOG);
+            ADD("mixer.D", DT_F32, c->m_heads, 0, W_ONE);
+            ADD("mixer.dt_bias", DT_F32, c->m_heads, 0, W_DTB);
+            ADD("mixer.norm.weight", DT_F32, di, 0, W_ONE);
+            ADD("mixer.out_proj.weight", DT_BF16, H, di, W_MAT);
+        } else if (c->kind[l] == '*') {
+            ADD("mixer.q_proj.weight", DT_BF16, q, H, W_MAT);
+            ADD("mixer.k_proj.weight", DT_BF16, kv, H, W_MAT);
+            ADD("mixer.v_proj.weight", DT_BF16, kv, H, W_MAT);
+            ADD("mixer.o_proj.weight", DT_BF16, H, q, W_MAT);
+        } else {
+            ADD("mixer.up_proj.weight", DT_BF16, c->mlp, H, W_MAT);
+            ADD("mixer.down_proj.weight", DT_BF16, H, c->mlp, W_MAT);
+        }
+#undef ADD
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Generation and the command line
+ * ---------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    int n;                      /* most tokens to generate */
+    float temp, topp;           /* sampling temperature (0: greedy), top-p */
+    uint64_t seed;              /* sampling seed */
+    FILE *dump;                 /* --dump-logits file, or NULL */
+    int trace;                  /* --trace */
+} GenOpts;
+
+static int is_eos(const Config *c, int id) {
+    for (int i = 0; i < c->n_eos; i++) if (c->eos[i] == id) return 1;
+    return 0;
+}
+
+static void dump_rows(Engine *e, FILE *f, int rows) {
+    const float *l = e->be->host_logits(&e->rank[0], rows);
+    if (fwrite(l, sizeof(float), (size_t)rows * e->c.vocab, f) != (size_t)rows * e->c.vocab) die("--dump-logits: write failed");
+}
+
+/* Prefill the prompt (in chunks of t_max), then sample, print and feed back one token at a time. */
+static void generate(Engine *e, const int *prompt, int n_prompt, const GenOpts *o) {
+    int t_max = e->rank[0].t_max, ctx = e->rank[0].ctx, pos = 0;
+    double t0 = now_s();
+    for (; pos < n_prompt; ) {
+        int T = n_prompt - pos < t_max ? n_prompt - pos : t_max;
+        engine_forward(e, prompt + pos, T, pos, o->dump != NULL);
+        if (o->dump) dump_rows(e, o->dump, T);
+        pos += T;
+    }
+    double t1 = now_s();
+    int made = 0;
+    for (int i = 0; i < o->n; i++) {
+        int next = engine_sample(e, o->temp, o->topp, o->seed, (uint64_t)pos);
+        printf("%s%d", made ? " " : "", next);
+        fflush(stdout);
+        made++;
+        if (is_eos(&e->c, next) || i == o->n - 1 || pos == ctx) break;
+        for (int k = 0; k < e->n; k++) e->rank[k].trace = o->trace && i == 0;
+        engine_forward(e, &next, 1, pos++, 0);
+        if (o->dump) dump_rows(e, o->dump, 1);
+    }
+    printf("\n");
+    double t2 = now_s();
+    fprintf(stderr, "nemoh: prefill %d tokens in %.3f s (%.1f tok/s); decode %d tokens in %.3f s (%.1f tok/s)\n",
+            n_prompt, t1 - t0, n_prompt / (t1 - t0), made, t2 - t1, made > 1 ? (made - 1) / (t2 - t1) : 0.0);
+}
+
+static void usage(void) {
+    fputs("usage: nemoh [options] [PROMPT]\n"
+          "  -m DIR             model directory: config.json, *.safetensors (default: weights)\n"
+          "  -n N               tokens to generate (default 256)\n"
+          "  -t TEMP            sampling temperature, 0 = greedy (default 0.8)\n"
+          "  -p TOPP            top-p (default 0.95)\n"
+          "  -s SEED            sampling seed (default: from the clock, printed on stderr)\n"
+          "  -c CTX             context length (default: the config's max_position_embeddings)\n"
+          "  --cpu              run on the CPU even when a GPU is present\n"
+          "  --ids \"1 2 3\"      the prompt as token ids (spaces or commas); prints generated ids\n"
+          "  --dump-logits FILE float32 logits, one row of vocab_size per forward position\n"
+          "  --random PRESET    random weights at a published shape (no files needed)\n"
+          "  -h, --help         this help\n", stdout);
+}
+
+/* Parses "1 2 3" or "1,2,3". */
+static int *parse_ids(const char *s, int *n) {
+    int *ids = xmalloc((strlen(s) / 2 + 1) * sizeof(int)), k = 0;
+    const char *p = s;
+    while (*p) {
+        while (*p == ' ' || *p == ',' || *p == '\t' || *p == '\n') p++;
+        if (!*p) break;
+        char *end;
+        errno = 0;
+        long v = strtol(p, &end, 10);
+        if (end == p || errno || v < 0 || v > 0x7FFFFFFF) die("--ids: bad token id near \"%.16s\"", p);
+        ids[k++] = (int)v;
+        p = end;
+    }
+    *n = k;
+    return ids;
+}
+
+static int arg_int(const char *flag, const char *v, long lo, long hi) {
+    char *end;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (!*v || *end || errno || x < lo || x > hi) die("%s: expected an integer in [%ld, %ld], got \"%s\"", flag, lo, hi, v);
+    return (int)x;
+}
+
+static float arg_float(const char *flag, const char *v, float lo, float hi) {
+    char *end;
+    float x = strtof(v, &end);
+    if (!*v || *end || !(x >= lo && x <= hi)) die("%s: expected a number in [%g, %g], got \"%s\"", flag, lo, hi, v);
+    return x;
+}
+
+#ifndef NEMOH_NO_MAIN
+int main(int argc, char **argv) {
+    const char *dir = "weights", *ids_arg = NULL, *prompt = NULL, *dump_path = NULL, *preset = NULL;
+    int ctx = 0, use_cpu = 0, have_seed = 0;
+    GenOpts o = {256, 0.8f, 0.95f, 0, NULL, 0};
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        int more = i + 1 < argc;
+#define VALUE() (more ? argv[++i] : (die("%s: missing value", a), ""))
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(); return 0; }
+        else if (!strcmp(a, "-m")) dir = VALUE();
+        else if (!strcmp(a, "-n")) o.n = arg_int(a, VALUE(), 0, 1 << 30);
+        else if (!strcmp(a, "-t")) o.temp = arg_float(a, VALUE(), 0, 100);
+        else if (!strcmp(a, "-p")) o.topp = arg_float(a, VALUE(), 0, 1);
+        else if (!strcmp(a, "-s")) { o.seed = (uint64_t)strtoull(VALUE(), NULL, 10); have_seed = 1; }
+        else if (!strcmp(a, "-c")) ctx = arg_int(a, VALUE(), 1, 1 << 24);
+        else if (!strcmp(a, "--cpu")) use_cpu = 1;
+        else if (!strcmp(a, "--ids")) ids_arg = VALUE();
+        else if (!strcmp(a, "--dump-logits")) dump_path = VALUE();
+        else if (!strcmp(a, "--random")) preset = VALUE();
+        else if (a[0] == '-' && a[1]) die("%s: unknown option (see nemoh -h)", a);
+        else if (prompt) die("%s: only one prompt argument is allowed (quote it)", a);
+        else prompt = a;
+#undef VALUE
+    }
+    (void)use_cpu;
+    if (!have_seed) o.seed = (uint64_t)time(NULL);
+
+    double t0 = now_s();
+    Engine e = {0};
+    if (preset) {
+        preset_config(&e.c, find_preset(preset));
+        build_random_checkpoint(&e.ck, &e.c, 1234);
+    } else {
+        config_load(&e.c, dir);
+        build_checkpoint(&e.ck, dir);
+    }
+    if (ctx == 0) ctx = e.c.ctx;
+    int n_prompt = 0, *tokens = NULL;
+    if (ids_arg) tokens = parse_ids(ids_arg, &n_prompt);
+    else die("a text prompt needs a tokenizer; use --ids");
+    (void)prompt;
+    if (n_prompt == 0) die("the prompt is empty");
+    for (int i = 0; i < n_prompt; i++)
+        if (tokens[i] >= e.c.vocab) die("--ids: token id %d is outside the vocabulary (vocab_size %d)", tokens[i], e.c.vocab);
+    if (n_prompt > ctx) die("the prompt has %d tokens, more than the context of %d (-c)", n_prompt, ctx);
+    if (dump_path && !(o.dump = fopen(dump_path, "wb"))) die("--dump-logits %s: cannot open for writing", dump_path);
+
+    int t_max = ctx < 128 ? ctx : 128;
+    cpu_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    e.be = &cpu_backend;
+    build_engine(&e, &cpu_backend, 1, t_max, ctx, 1);
+    fprintf(stderr, "nemoh: loaded %s in %.2f s (backend %s, seed %llu)\n", preset ? preset : dir, now_s() - t0,
+            e.be->name, (unsigned long long)o.seed);
+    generate(&e, tokens, n_prompt, &o);
+    if (o.dump && fclose(o.dump) != 0) die("--dump-logits %s: write failed", dump_path);
+    free_engine(&e);
+    free_checkpoint(&e.ck);
+    free(tokens);
+    return 0;
+}
+#endif

@@ -70,7 +70,9 @@ typedef struct {
     char kind;                  /* 'M', '*' or '-' */
     float *norm;                /* [hidden] fp32 pre-mixer RMSNorm weight */
     /* Mamba2 (kind 'M') */
-    Mat in_z, in_xbc, in_dt;    /* in_proj rows for z [d_inner], x|B|C [conv], dt [m_heads] (local) */
+    Mat in_proj[5];             /* in_proj row slices, local: z [d_inner], x [d_inner], B [groups*N],
+                                   C [groups*N], dt [m_heads]; projected side by side they give the
+                                   rank's [z | x | B | C | dt] exactly as an unsharded model would */
     float *conv_w;              /* [conv, d_conv] fp32 depthwise conv1d weight (local channels) */
     float *conv_b;              /* [conv] fp32 conv1d bias (zeros when the config has none) */
     float *A;                   /* [m_heads] fp32 A = -exp(A_log) */
@@ -108,6 +110,8 @@ typedef struct Rank Rank;
 
 typedef struct {
     const char *name;
+    void *(*setup)(const Config *c, int n, int t_max);  /* state the n ranks share, made first */
+    void (*teardown)(void *sh);
     void (*init)(Rank *r);                              /* allocate state, upload weights */
     void (*free)(Rank *r);
     /* Optional: 1 if the backend ran this forward by itself (a replayed CUDA graph). */
@@ -125,15 +129,13 @@ typedef struct {
     const float *(*host_logits)(Rank *r, int rows);     /* the logits rows, readable on the host */
 } Backend;
 
-typedef struct Shared Shared;   /* what ranks share: host all-reduce buffers, NCCL comms (per backend) */
-
 struct Rank {
     const Config *c;            /* model configuration */
     Shard s;                    /* this rank's sizes */
     Weights w;                  /* this rank's weight views */
     const Backend *be;          /* the backend running this rank */
     void *st;                   /* backend-private state and buffers */
-    Shared *sh;                 /* shared among the ranks of one backend */
+    void *sh;                   /* backend-private state shared by all ranks (host buffers, NCCL) */
     int t_max;                  /* most tokens per forward call (prefill chunk) */
     int ctx;                    /* context length the caches hold */
     int fuse;                   /* 1: fused all-reduce at the next layer's entry; 0: at layer end */
