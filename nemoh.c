@@ -787,6 +787,7 @@ typedef struct {
     pthread_barrier_t bar;      /* all ranks meet here around every host all-reduce */
     float **pend;               /* [n] each rank's pending buffer, read by every rank */
     float *logits;              /* [t_max, vocab] gathered logits: rank r writes columns of its slice */
+    int rows;                   /* rows of logits the last forward wrote; the sampler reads the last */
 } CpuShared;
 
 typedef struct {
@@ -1056,6 +1057,7 @@ static void cpu_logits(Rank *r, int T, int all) {
     int H = r->c->hidden, V = r->c->vocab, rows = all ? T : 1;
     const float *x = st->x + (size_t)(all ? 0 : T - 1) * H;
     matmul(sh->logits + (size_t)r->s.rank * r->s.vocab, V, x, H, rows, &r->w.lm_head);
+    sh->rows = rows;
     pthread_barrier_wait(&sh->bar);
 }
 
@@ -1063,7 +1065,7 @@ static int sample_logits(const float *logits, int V, float temp, float topp, uin
 
 static int cpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t step) {
     CpuShared *sh = r->sh;
-    return sample_logits(sh->logits, r->c->vocab, temp, topp, seed, step);
+    return sample_logits(sh->logits + (size_t)(sh->rows - 1) * r->c->vocab, r->c->vocab, temp, topp, seed, step);
 }
 
 static const float *cpu_host_logits(Rank *r, int rows) {
@@ -1458,6 +1460,9 @@ static void usage(void) {
           "  --ids \"1 2 3\"      the prompt as token ids (spaces or commas); prints generated ids\n"
           "  --dump-logits FILE float32 logits, one row of vocab_size per forward position\n"
           "  --random PRESET    random weights at a published shape (no files needed)\n"
+          "  --tp N|all         tensor-parallel ranks (default 1; all: every visible GPU)\n"
+          "  --no-fuse          all-reduce at each layer's end instead of fused into the next norm\n"
+          "  --trace            print what each layer of the first decode step runs\n"
           "  -h, --help         this help\n", stdout);
 }
 
@@ -1494,10 +1499,22 @@ static float arg_float(const char *flag, const char *v, float lo, float hi) {
     return x;
 }
 
+/* Refuses a rank count that does not split the model, listing the counts that do. */
+static void check_tp(const Config *c, int n) {
+    Shard s;
+    const char *why = shard_sizes(&s, c, 0, n);
+    if (!why) return;
+    char valid[256] = "";
+    for (int k = 1; k <= 64; k++)
+        if (!shard_sizes(&s, c, 0, k)) snprintf(valid + strlen(valid), sizeof valid - strlen(valid), " %d", k);
+    die("--tp %d: the rank count must divide %s; valid:%s", n, why, valid);
+}
+
 #ifndef NEMOH_NO_MAIN
 int main(int argc, char **argv) {
     const char *dir = "weights", *ids_arg = NULL, *prompt = NULL, *dump_path = NULL, *preset = NULL;
-    int ctx = 0, use_cpu = 0, have_seed = 0;
+    const char *tp_arg = "1";
+    int ctx = 0, use_cpu = 0, have_seed = 0, fuse = 1;
     GenOpts o = {256, 0.8f, 0.95f, 0, NULL, 0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -1514,6 +1531,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--ids")) ids_arg = VALUE();
         else if (!strcmp(a, "--dump-logits")) dump_path = VALUE();
         else if (!strcmp(a, "--random")) preset = VALUE();
+        else if (!strcmp(a, "--tp")) tp_arg = VALUE();
+        else if (!strcmp(a, "--no-fuse")) fuse = 0;
+        else if (!strcmp(a, "--trace")) o.trace = 1;
         else if (a[0] == '-' && a[1]) die("%s: unknown option (see nemoh -h)", a);
         else if (prompt) die("%s: only one prompt argument is allowed (quote it)", a);
         else prompt = a;
@@ -1542,10 +1562,12 @@ int main(int argc, char **argv) {
     if (n_prompt > ctx) die("the prompt has %d tokens, more than the context of %d (-c)", n_prompt, ctx);
     if (dump_path && !(o.dump = fopen(dump_path, "wb"))) die("--dump-logits %s: cannot open for writing", dump_path);
 
+    int tp = strcmp(tp_arg, "all") == 0 ? 1 : arg_int("--tp", tp_arg, 1, 64);
+    check_tp(&e.c, tp);
     int t_max = ctx < 128 ? ctx : 128;
-    cpu_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
-    e.be = &cpu_backend;
-    build_engine(&e, &cpu_backend, 1, t_max, ctx, 1);
+    cpu_threads = (int)sysconf(_SC_NPROCESSORS_ONLN) / tp;
+    if (cpu_threads < 1) cpu_threads = 1;
+    build_engine(&e, &cpu_backend, tp, t_max, ctx, fuse);
     fprintf(stderr, "nemoh: loaded %s in %.2f s (backend %s, seed %llu)\n", preset ? preset : dir, now_s() - t0,
             e.be->name, (unsigned long long)o.seed);
     generate(&e, tokens, n_prompt, &o);

@@ -1,0 +1,34 @@
+/* compare_logits: max |a - b| over two float32 logit files of the same size, against a tolerance.
+ *   compare_logits A B TOL      exit 0 if every element agrees within TOL (and none is NaN), else 1 */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static float *load(const char *path, long *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) { fprintf(stderr, "compare_logits: %s: cannot open\n", path); exit(2); }
+    fseek(f, 0, SEEK_END);
+    *n = ftell(f) / 4;
+    rewind(f);
+    float *p = malloc((size_t)*n * 4 + 4);
+    if (!p || fread(p, 4, (size_t)*n, f) != (size_t)*n) { fprintf(stderr, "compare_logits: %s: read failed\n", path); exit(2); }
+    fclose(f);
+    return p;
+}
+
+int main(int argc, char **argv) {
+    if (argc != 4) { fprintf(stderr, "usage: compare_logits A B TOL\n"); return 2; }
+    long na, nb;
+    float *a = load(argv[1], &na), *b = load(argv[2], &nb);
+    double tol = atof(argv[3]), worst = 0;
+    long at = 0;
+    if (na != nb || na == 0) { printf("size mismatch: %ld vs %ld floats\n", na, nb); return 1; }
+    for (long i = 0; i < na; i++) {
+        double d = fabs((double)a[i] - b[i]);
+        if (!(d <= worst)) { worst = d; at = i; }   /* NaN compares false: it becomes the worst */
+    }
+    printf("max |diff| %.3g at element %ld of %ld (tolerance %.3g)\n", worst, at, na, tol);
+    free(a);
+    free(b);
+    return worst <= tol ? 0 : 1;
+}

@@ -1,0 +1,124 @@
+/* make_bad: writes broken variants of a good single-file checkpoint, one directory per case, for the
+ * bad-input tests in test.sh. Each directory gets a file `expect` holding a phrase nemoh's one-line
+ * error must contain. Every case differs from the good model in one thing only.
+ *   make_bad GOOD_DIR OUT_DIR        (GOOD_DIR: config.json + model.safetensors) */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static char *slurp(const char *path, size_t *n) {
+    FILE *f = fopen(path, "rb");
+    if (!f) { fprintf(stderr, "make_bad: %s: cannot open\n", path); exit(2); }
+    fseek(f, 0, SEEK_END);
+    *n = (size_t)ftell(f);
+    rewind(f);
+    char *p = malloc(*n + 1);
+    if (!p || fread(p, 1, *n, f) != *n) { fprintf(stderr, "make_bad: %s: read failed\n", path); exit(2); }
+    p[*n] = 0;
+    fclose(f);
+    return p;
+}
+
+static void spit(const char *dir, const char *name, const void *p, size_t n) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(p, 1, n, f) != n || fclose(f) != 0) { fprintf(stderr, "make_bad: %s: write failed\n", path); exit(2); }
+}
+
+/* text with the first occurrence of `from` replaced by `to` (which must exist) */
+static char *replace(const char *text, const char *from, const char *to) {
+    const char *at = strstr(text, from);
+    if (!at) { fprintf(stderr, "make_bad: \"%s\" not found\n", from); exit(2); }
+    char *out = malloc(strlen(text) + strlen(to) + 1);
+    sprintf(out, "%.*s%s%s", (int)(at - text), text, to, at + strlen(from));
+    return out;
+}
+
+static const char *out_root, *good_config;
+static const char *header, *data;    /* the good safetensors header text and its data section */
+static size_t data_len;
+
+/* One case: a directory with a config, a safetensors file [u64 hlen][header][data] cut to `keep`
+ * bytes (0: whole), and the phrase the error must contain. hdr == NULL: no safetensors file. */
+static void emit(const char *name, const char *expect, const char *config, const char *hdr, uint64_t hlen_field, size_t keep) {
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/%s", out_root, name);
+    mkdir(dir, 0755);
+    spit(dir, "expect", expect, strlen(expect));
+    if (config) spit(dir, "config.json", config, strlen(config));
+    if (!hdr) return;
+    size_t hl = (strlen(hdr) + 7) / 8 * 8, total = 8 + hl + data_len;  /* padded with spaces, as safetensors does */
+    char *file = malloc(total);
+    uint64_t h = hlen_field ? hlen_field : hl;
+    memcpy(file, &h, 8);
+    memset(file + 8, ' ', hl);
+    memcpy(file + 8, hdr, strlen(hdr));
+    memcpy(file + 8 + hl, data, data_len);
+    spit(dir, "model.safetensors", file, keep ? keep : total);
+    free(file);
+}
+
+/* The data_offsets numbers of the k-th tensor in the header. */
+static void offsets(int k, unsigned long long *b, unsigned long long *e, const char **at) {
+    const char *p = header;
+    for (int i = 0; i <= k; i++) {
+        p = strstr(p, "\"data_offsets\":[");
+        if (!p) { fprintf(stderr, "make_bad: no tensor %d\n", k); exit(2); }
+        p += 16;
+    }
+    *at = p;
+    *b = strtoull(p, (char **)&p, 10);
+    *e = strtoull(p + 1, NULL, 10);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3) { fprintf(stderr, "usage: make_bad GOOD_DIR OUT_DIR\n"); return 2; }
+    char path[4096];
+    size_t n;
+    out_root = argv[2];
+    mkdir(out_root, 0755);
+    snprintf(path, sizeof path, "%s/config.json", argv[1]);
+    good_config = slurp(path, &n);
+    snprintf(path, sizeof path, "%s/model.safetensors", argv[1]);
+    char *st = slurp(path, &n);
+    uint64_t hl;
+    memcpy(&hl, st, 8);
+    char *h = malloc(hl + 1);
+    memcpy(h, st + 8, hl);
+    h[hl] = 0;
+    header = h;
+    data = st + 8 + hl;
+    data_len = n - 8 - hl;
+
+    emit("good", "", good_config, header, 0, 0);  /* the control: must load */
+    emit("no-safetensors", "no model.safetensors", good_config, NULL, 0, 0);
+    emit("no-config", "config.json: cannot open", NULL, header, 0, 0);
+    emit("missing-key", "missing key hidden_size", replace(good_config, "\"hidden_size\"", "\"hidden_size_x\""), header, 0, 0);
+    emit("unknown-block", "unknown block type", replace(good_config, "\"-M-M*", "\"-M-X*"), header, 0, 0);
+    emit("moe", "mixture-of-experts", replace(good_config, "\"-M-M*", "\"-M-E*"), header, 0, 0);
+    emit("bad-config-json", "malformed JSON", replace(good_config, "\"hidden_size\":", "\"hidden_size\" "), header, 0, 0);
+    emit("shape", "config implies", replace(good_config, "\"hidden_size\": 80", "\"hidden_size\": 88"), header, 0, 0);
+    emit("truncated", "outside the file", good_config, header, 0, 8 + strlen(header) + data_len / 2);
+    emit("short-file", "shorter than the 8-byte header length", good_config, header, 0, 5);
+    emit("header-length", "exceeds the file size", good_config, header, 1ull << 40, 0);
+    emit("bad-header-json", "malformed JSON", good_config, replace(header, "\"dtype\":", "\"dtype\" "), 0, 0);
+    emit("unknown-dtype", "has dtype F8_E4M3", good_config, replace(header, "\"dtype\":\"BF16\"", "\"dtype\":\"F8_E4M3\""), 0, 0);
+    emit("dtype-size", "bytes for", good_config, replace(header, "\"dtype\":\"BF16\"", "\"dtype\":\"F32\""), 0, 0);
+
+    unsigned long long b0, e0, b1, e1;
+    const char *at0, *at1;
+    offsets(0, &b0, &e0, &at0);
+    offsets(1, &b1, &e1, &at1);
+    char from[96], to[96];
+    snprintf(from, sizeof from, "\"data_offsets\":[%llu,%llu]", b0, e0);
+    snprintf(to, sizeof to, "\"data_offsets\":[%llu,%llu]", b0 + (unsigned long long)data_len, e0 + (unsigned long long)data_len);
+    emit("offsets-outside", "outside the file", good_config, replace(header, from, to), 0, 0);
+    /* the second tensor moved onto the first: same size, overlapping bytes */
+    snprintf(from, sizeof from, "\"data_offsets\":[%llu,%llu]", b1, e1);
+    snprintf(to, sizeof to, "\"data_offsets\":[%llu,%llu]", b0, b0 + (e1 - b1));
+    emit("overlap", "overlap", good_config, replace(header, from, to), 0, 0);
+    return 0;
+}
