@@ -1,13 +1,30 @@
-# nemoh: `make` builds ./nemoh; with nvcc present it adds the CUDA backend (nemoh.cu), otherwise it
-# builds the CPU engine from nemoh.c alone with any C compiler.
+# nemoh: `make` builds ./nemoh. Where nvcc is found it adds the CUDA backend (nemoh.cu: cuBLAS, NCCL);
+# otherwise it builds the CPU engine from nemoh.c alone, with any C compiler.
 CC ?= cc
 NATIVE := $(shell $(CC) -march=native -E -x c /dev/null >/dev/null 2>&1 && echo -march=native)
 OPENMP := $(shell echo 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
 CFLAGS ?= -O3 $(NATIVE) -Wall -Wextra
 LDLIBS = -lm -lpthread
 
-nemoh: nemoh.c nemoh.h
+NVCC ?= $(shell command -v nvcc 2>/dev/null)
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+# NCCL >= 2.28 for the device API. A pip-installed NCCL (nvidia-nccl-cu13, as PyTorch brings it) is
+# preferred: on machines whose system NCCL is older, ncclDevCommCreate fails there.
+NCCL_HOME ?= $(or $(shell python3 -c 'import nvidia.nccl as n, os; print(os.path.dirname(n.__file__))' 2>/dev/null),$(CUDA_HOME))
+NCCL_LIB := $(firstword $(wildcard $(NCCL_HOME)/lib/libnccl.so.2 $(NCCL_HOME)/lib64/libnccl.so.2))
+CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a
+
+ifneq ($(NVCC),)
+nemoh: nemoh.c nemoh.h nemoh_cuda.o Makefile
+	$(CC) -std=c11 $(CFLAGS) $(OPENMP) -DNEMOH_CUDA nemoh.c nemoh_cuda.o -o $@ -L$(CUDA_HOME)/lib64 \
+	    -Wl,-rpath,$(dir $(NCCL_LIB)) $(NCCL_LIB) -lcublas -lcudart -lstdc++ $(LDLIBS)
+
+nemoh_cuda.o: nemoh.cu nemoh.h Makefile
+	$(NVCC) -std=c++17 -O3 $(CUDA_ARCH) -DNEMOH_CUDA -I$(NCCL_HOME)/include -Xcompiler -Wall -c nemoh.cu -o $@
+else
+nemoh: nemoh.c nemoh.h Makefile
 	$(CC) -std=c11 $(CFLAGS) $(OPENMP) nemoh.c -o $@ $(LDLIBS)
+endif
 
 clean:
 	rm -f nemoh *.o

@@ -672,7 +672,7 @@ static const char *shard_sizes(Shard *s, const Config *c, int rank, int n) {
 /* Rows [r0, r0+rows) and columns [c0, c0+cols) of a 2-D tensor, as a view. */
 static Mat mat_view(const Tensor *t, long r0, long rows, long c0, long cols) {
     long ld = t->ndim == 2 ? t->shape[1] : 1;
-    const char *p = (const char *)t->data + ((size_t)r0 * (size_t)ld + (size_t)c0) * (size_t)dtype_size[t->dtype];
+    const char *p = t->data ? (const char *)t->data + ((size_t)r0 * (size_t)ld + (size_t)c0) * (size_t)dtype_size[t->dtype] : NULL;
     return (Mat){p, t->dtype, (int)rows, (int)cols, (size_t)ld};
 }
 
@@ -1073,12 +1073,13 @@ static const float *cpu_host_logits(Rank *r, int rows) {
     return ((CpuShared *)r->sh)->logits;
 }
 
-static void *cpu_setup(const Config *c, int n, int t_max) {
+static void *cpu_setup(const Config *c, int n, int t_max, int logit_rows) {
     CpuShared *sh = xcalloc(1, sizeof *sh);
     sh->n = n;
     pthread_barrier_init(&sh->bar, NULL, (unsigned)n);
     sh->pend = xcalloc((size_t)n, sizeof(float *));
-    sh->logits = xcalloc((size_t)t_max * (size_t)c->vocab, sizeof(float));
+    (void)t_max;
+    sh->logits = xcalloc((size_t)logit_rows * (size_t)c->vocab, sizeof(float));
     return sh;
 }
 
@@ -1190,10 +1191,10 @@ static void job_sample(Rank *r, void *arg) {
 }
 
 /* Loads the shards, starts one thread per rank and lets the backend set up each rank. */
-static void build_engine(Engine *e, const Backend *be, int n, int t_max, int ctx, int fuse) {
+static void build_engine(Engine *e, const Backend *be, int n, int t_max, int ctx, int fuse, int logit_rows, int graph) {
     e->be = be;
     e->n = n;
-    e->sh = be->setup(&e->c, n, t_max);
+    e->sh = be->setup(&e->c, n, t_max, logit_rows);
     e->rank = xcalloc((size_t)n, sizeof(Rank));
     for (int i = 0; i < n; i++) {
         Rank *r = &e->rank[i];
@@ -1206,6 +1207,7 @@ static void build_engine(Engine *e, const Backend *be, int n, int t_max, int ctx
         r->ctx = ctx;
         r->fuse = fuse;
         r->gpu = i;
+        r->graph = graph;
     }
     if (n > 1) {
         e->thread = xcalloc((size_t)n, sizeof(pthread_t));
@@ -1333,7 +1335,7 @@ enum { W_MAT, W_ONE, W_ALOG, W_DTB, W_CONV, W_BIAS };  /* how a synthetic tensor
 
 /* Adds one synthetic tensor: bf16 matrices uniform with std fan_in^-0.5, fp32 vectors as a trained
  * model has them (norms near 1, A in [-16, -1], dt = softplus(dt_bias) log-uniform in [1e-3, 0.1]). */
-static void add_random(Checkpoint *ck, const char *name, int dtype, long d0, long d1, int what, uint64_t seed) {
+static void add_random(Checkpoint *ck, const char *name, int dtype, long d0, long d1, int what, uint64_t seed, int host) {
     if (ck->n == ck->cap) {
         ck->cap = ck->cap ? 2 * ck->cap : 256;
         ck->t = realloc(ck->t, (size_t)ck->cap * sizeof(Tensor));
@@ -1342,6 +1344,7 @@ static void add_random(Checkpoint *ck, const char *name, int dtype, long d0, lon
     Tensor *t = &ck->t[ck->n++];
     size_t numel = (size_t)d0 * (size_t)(d1 ? d1 : 1);
     *t = (Tensor){strdup(name), dtype, d1 ? 2 : 1, {d0, d1}, NULL, ck->dir};
+    if (what == W_MAT && !host) return;  /* data NULL: the GPU backend draws the matrix on the device */
     void *buf = xmalloc(numel * (size_t)dtype_size[dtype]);
     float a = d1 ? sqrtf(3.0f / (float)d1) : 0;
     for (size_t k = 0; k < numel; k++) {
@@ -1362,19 +1365,20 @@ static void add_random(Checkpoint *ck, const char *name, int dtype, long d0, lon
     t->data = buf;
 }
 
-/* A checkpoint held in memory with every tensor the config names. */
-static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t seed) {
+/* A checkpoint held in memory with every tensor the config names; with host 0 the matrices are left
+ * for the GPU backend to draw (an 8B model's 16 GB is quicker made on the device). */
+static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t seed, int host) {
     memset(ck, 0, sizeof *ck);
     ck->dir = "(random)";
     ck->owned = 1;
     int H = c->hidden, di = c->m_heads * c->m_hdim, gn = c->n_groups * c->d_state, q = c->n_heads * c->head_dim,
         kv = c->n_kv * c->head_dim;
     char nm[128];
-    add_random(ck, "backbone.embeddings.weight", DT_BF16, c->vocab, H, W_MAT, seed);
-    add_random(ck, "backbone.norm_f.weight", DT_F32, H, 0, W_ONE, seed);
-    add_random(ck, "lm_head.weight", DT_BF16, c->vocab, H, W_MAT, seed);
+    add_random(ck, "backbone.embeddings.weight", DT_BF16, c->vocab, H, W_MAT, seed, host);
+    add_random(ck, "backbone.norm_f.weight", DT_F32, H, 0, W_ONE, seed, host);
+    add_random(ck, "lm_head.weight", DT_BF16, c->vocab, H, W_MAT, seed, host);
     for (int l = 0; l < c->n_layers; l++) {
-#define ADD(field, dt, d0, d1, what) (snprintf(nm, sizeof nm, "backbone.layers.%d.%s", l, field), add_random(ck, nm, dt, d0, d1, what, seed))
+#define ADD(field, dt, d0, d1, what) (snprintf(nm, sizeof nm, "backbone.layers.%d.%s", l, field), add_random(ck, nm, dt, d0, d1, what, seed, host))
         ADD("norm.weight", DT_F32, H, 0, W_ONE);
         if (c->kind[l] == 'M') {
             ADD("mixer.in_proj.weight", DT_BF16, 2 * di + 2 * gn + c->m_heads, H, W_MAT);
@@ -1399,7 +1403,7 @@ static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t se
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Generation and the command line
+ * Generation, benchmarks and the command line
  * ---------------------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -1408,7 +1412,13 @@ typedef struct {
     uint64_t seed;              /* sampling seed */
     FILE *dump;                 /* --dump-logits file, or NULL */
     int trace;                  /* --trace */
+    int quiet;                  /* print nothing (--bench) */
 } GenOpts;
+
+typedef struct {
+    double prefill_s, decode_s; /* wall time of the prompt's forwards, of the generated tokens' */
+    int made;                   /* tokens generated */
+} GenStats;
 
 static int is_eos(const Config *c, int id) {
     for (int i = 0; i < c->n_eos; i++) if (c->eos[i] == id) return 1;
@@ -1421,31 +1431,103 @@ static void dump_rows(Engine *e, FILE *f, int rows) {
 }
 
 /* Prefill the prompt (in chunks of t_max), then sample, print and feed back one token at a time. */
-static void generate(Engine *e, const int *prompt, int n_prompt, const GenOpts *o) {
+static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOpts *o) {
     int t_max = e->rank[0].t_max, ctx = e->rank[0].ctx, pos = 0;
+    GenStats st = {0, 0, 0};
     double t0 = now_s();
-    for (; pos < n_prompt; ) {
+    while (pos < n_prompt) {
         int T = n_prompt - pos < t_max ? n_prompt - pos : t_max;
         engine_forward(e, prompt + pos, T, pos, o->dump != NULL);
         if (o->dump) dump_rows(e, o->dump, T);
         pos += T;
     }
-    double t1 = now_s();
-    int made = 0;
     for (int i = 0; i < o->n; i++) {
         int next = engine_sample(e, o->temp, o->topp, o->seed, (uint64_t)pos);
-        printf("%s%d", made ? " " : "", next);
-        fflush(stdout);
-        made++;
+        if (i == 0) st.prefill_s = now_s() - t0;  /* includes the first token's sampling */
+        if (!o->quiet) {
+            printf("%s%d", st.made ? " " : "", next);
+            fflush(stdout);
+        }
+        st.made++;
         if (is_eos(&e->c, next) || i == o->n - 1 || pos == ctx) break;
         for (int k = 0; k < e->n; k++) e->rank[k].trace = o->trace && i == 0;
         engine_forward(e, &next, 1, pos++, 0);
         if (o->dump) dump_rows(e, o->dump, 1);
     }
-    printf("\n");
-    double t2 = now_s();
-    fprintf(stderr, "nemoh: prefill %d tokens in %.3f s (%.1f tok/s); decode %d tokens in %.3f s (%.1f tok/s)\n",
-            n_prompt, t1 - t0, n_prompt / (t1 - t0), made, t2 - t1, made > 1 ? (made - 1) / (t2 - t1) : 0.0);
+    if (!o->quiet) printf("\n");
+    if (!st.made) st.prefill_s = now_s() - t0;
+    st.decode_s = now_s() - t0 - st.prefill_s;
+    return st;
+}
+
+/* Bytes one decode step moves through memory on one rank: every weight matrix once (one row of the
+ * embedding), the Mamba conv and SSM state read and written, the KV cache read up to pos. */
+static double decode_bytes(const Rank *r, int pos, int gpu) {
+    const Config *c = r->c;
+    const Shard *s = &r->s;
+    double b = 0;
+#define MB(m, rows) ((double)(rows) * (m).cols * ((m).dtype == DT_BF16 ? 2 : gpu ? 4 : dtype_size[(m).dtype]))
+    b += MB(r->w.embed, 1) + MB(r->w.lm_head, s->vocab);
+    for (int l = 0; l < c->n_layers; l++) {
+        const Layer *L = &r->w.layer[l];
+        if (L->kind == 'M')
+            b += MB(L->in_proj[0], s->in_proj) + MB(L->out, c->hidden) +
+                 2.0 * 4 * ((double)s->d_inner * c->d_state + (double)s->conv * (c->d_conv - 1));
+        else if (L->kind == '*')
+            b += MB(L->wq, (s->q + 2 * s->kv) * c->head_dim) + MB(L->wo, c->hidden) + 2.0 * 4 * pos * s->kv * c->head_dim;
+        else
+            b += MB(L->up, s->mlp) + MB(L->down, c->hidden);
+    }
+#undef MB
+    return b;
+}
+
+/* Host memory copy bandwidth, bytes read + written, GB/s: the CPU backend's ceiling. */
+static double host_copy_gbps(void) {
+    size_t n = 256u << 20;
+    char *a = xmalloc(n), *b = xmalloc(n);
+    memset(a, 1, n);
+    memcpy(b, a, n);
+    double t0 = now_s();
+    for (int i = 0; i < 4; i++) memcpy(i & 1 ? a : b, i & 1 ? b : a, n);
+    double gbps = 2.0 * n * 4 / (now_s() - t0) / 1e9;
+    free(a);
+    free(b);
+    return gbps;
+}
+
+/* --bench: a prompt of P random tokens, then n greedy tokens; one table. */
+static void bench(Engine *e, const char *model, int P, int n, int gpu) {
+    Rank *r = &e->rank[0];
+    if (P < 1 || P + n > r->ctx) die("--bench: -P %d plus -n %d tokens exceed the context of %d (-c)", P, n, r->ctx);
+    int *prompt = xmalloc((size_t)P * sizeof(int));
+    for (int i = 0; i < P; i++) prompt[i] = 3 + (int)(coin(99, (uint64_t)i) * (e->c.vocab - 3));
+    GenOpts o = {n, 0, 1, 0, NULL, 0, 1};
+    /* warm-up: libraries load and the decode graph is captured here, not in the timed run (the state
+       it leaves behind changes the numbers, not the work) */
+    generate(e, prompt, P < 16 ? P : 16, &(GenOpts){4, 0, 1, 0, NULL, 0, 1});
+    GenStats st = generate(e, prompt, P, &o);
+    double copy = gpu ? 0 : host_copy_gbps(), ms = st.made > 1 ? st.decode_s * 1e3 / (st.made - 1) : 0;
+    double bytes = decode_bytes(r, P + st.made / 2, gpu), gbps = ms > 0 ? bytes / (ms * 1e-3) / 1e9 : 0;
+    const char *device = "CPU", *path = r->fuse ? "fused" : "all-reduce at layer end (--no-fuse)";
+    double used = 0;
+#ifdef NEMOH_CUDA
+    if (gpu) {
+        copy = cuda_copy_gbps();
+        device = cuda_device_name();
+        path = cuda_fuse_path(r);
+        for (int i = 0; i < e->n; i++) used = fmax(used, (double)cuda_used_bytes(&e->rank[i]));
+    }
+#endif
+    printf("| nemoh --bench | |\n|---|---|\n");
+    printf("| device | %s%s, copy bandwidth %.0f GB/s (read + write, measured now) |\n", device, gpu ? "" : " (host memory)", copy);
+    printf("| model | %s |\n| tensor parallel | %d rank%s, %s |\n", model, e->n, e->n > 1 ? "s" : "", path);
+    printf("| prefill | %d tokens in %.3f s: %.0f tok/s |\n", P, st.prefill_s, P / st.prefill_s);
+    printf("| decode | %d tokens: %.3f ms/token, %.1f tok/s |\n", st.made, ms, ms > 0 ? 1e3 / ms : 0);
+    printf("| bytes per decoded token | %.3f GB per rank (weights, Mamba state read + write, KV cache) |\n", bytes / 1e9);
+    printf("| achieved | %.0f GB/s per rank, %.1f%% of the copy bandwidth |\n", gbps, copy > 0 ? 100 * gbps / copy : 0);
+    if (gpu) printf("| GPU memory in use | %.2f GB (largest rank) |\n", used / 1e9);
+    free(prompt);
 }
 
 static void usage(void) {
@@ -1459,10 +1541,18 @@ static void usage(void) {
           "  --cpu              run on the CPU even when a GPU is present\n"
           "  --ids \"1 2 3\"      the prompt as token ids (spaces or commas); prints generated ids\n"
           "  --dump-logits FILE float32 logits, one row of vocab_size per forward position\n"
-          "  --random PRESET    random weights at a published shape (no files needed)\n"
           "  --tp N|all         tensor-parallel ranks (default 1; all: every visible GPU)\n"
           "  --no-fuse          all-reduce at each layer's end instead of fused into the next norm\n"
           "  --trace            print what each layer of the first decode step runs\n"
+          "  --chunk N          prompt tokens per forward step (default 2048 on a GPU, 128 on the CPU)\n"
+          "  --no-graph         run decode steps eagerly instead of replaying a CUDA graph\n"
+          "  --random PRESET    random weights at a published shape (no files needed):\n"
+          "                     nemotron-h-8b, nemotron-h-4b, nemotron-h-56b, nemotron-nano-9b-v2, synthetic-100m\n"
+          "  --bench            time a prompt of -P tokens (default 512) and -n decoded tokens; print a table\n"
+          "  -P N               prompt length for --bench\n"
+          "  --bench-allreduce  time the fused all-reduce + add + RMSNorm against ncclAllReduce + add + RMSNorm\n"
+          "                     for 1..2048 tokens over --tp GPUs (no weights needed)\n"
+          "  --hidden N         hidden size for --bench-allreduce (default 4096)\n"
           "  -h, --help         this help\n", stdout);
 }
 
@@ -1512,20 +1602,20 @@ static void check_tp(const Config *c, int n) {
 
 #ifndef NEMOH_NO_MAIN
 int main(int argc, char **argv) {
-    const char *dir = "weights", *ids_arg = NULL, *prompt = NULL, *dump_path = NULL, *preset = NULL;
-    const char *tp_arg = "1";
-    int ctx = 0, use_cpu = 0, have_seed = 0, fuse = 1;
-    GenOpts o = {256, 0.8f, 0.95f, 0, NULL, 0};
+    const char *dir = "weights", *ids_arg = NULL, *prompt = NULL, *dump_path = NULL, *preset = NULL, *tp_arg = "1";
+    int ctx = 0, use_cpu = 0, have_seed = 0, fuse = 1, graph = 1, chunk = 0, do_bench = 0, bench_ar = 0, P = 512;
+    int hidden = 4096, n_set = 0;
+    GenOpts o = {256, 0.8f, 0.95f, 0, NULL, 0, 0};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int more = i + 1 < argc;
 #define VALUE() (more ? argv[++i] : (die("%s: missing value", a), ""))
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(); return 0; }
         else if (!strcmp(a, "-m")) dir = VALUE();
-        else if (!strcmp(a, "-n")) o.n = arg_int(a, VALUE(), 0, 1 << 30);
+        else if (!strcmp(a, "-n")) { o.n = arg_int(a, VALUE(), 0, 1 << 30); n_set = 1; }
         else if (!strcmp(a, "-t")) o.temp = arg_float(a, VALUE(), 0, 100);
         else if (!strcmp(a, "-p")) o.topp = arg_float(a, VALUE(), 0, 1);
-        else if (!strcmp(a, "-s")) { o.seed = (uint64_t)strtoull(VALUE(), NULL, 10); have_seed = 1; }
+        else if (!strcmp(a, "-s")) { o.seed = (uint64_t)arg_int(a, VALUE(), 0, 0x7FFFFFFF); have_seed = 1; }
         else if (!strcmp(a, "-c")) ctx = arg_int(a, VALUE(), 1, 1 << 24);
         else if (!strcmp(a, "--cpu")) use_cpu = 1;
         else if (!strcmp(a, "--ids")) ids_arg = VALUE();
@@ -1534,43 +1624,72 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--tp")) tp_arg = VALUE();
         else if (!strcmp(a, "--no-fuse")) fuse = 0;
         else if (!strcmp(a, "--trace")) o.trace = 1;
+        else if (!strcmp(a, "--chunk")) chunk = arg_int(a, VALUE(), 1, 1 << 16);
+        else if (!strcmp(a, "--no-graph")) graph = 0;
+        else if (!strcmp(a, "--bench")) do_bench = 1;
+        else if (!strcmp(a, "-P")) P = arg_int(a, VALUE(), 1, 1 << 24);
+        else if (!strcmp(a, "--bench-allreduce")) bench_ar = 1;
+        else if (!strcmp(a, "--hidden")) hidden = arg_int(a, VALUE(), 8, 1 << 16);
         else if (a[0] == '-' && a[1]) die("%s: unknown option (see nemoh -h)", a);
         else if (prompt) die("%s: only one prompt argument is allowed (quote it)", a);
         else prompt = a;
 #undef VALUE
     }
-    (void)use_cpu;
-    if (!have_seed) o.seed = (uint64_t)time(NULL);
+    if (!have_seed) o.seed = (uint64_t)time(NULL) & 0x7FFFFFFF;
+    int gpus = 0;
+#ifdef NEMOH_CUDA
+    if (!use_cpu) gpus = cuda_devices();
+#endif
+    int tp = strcmp(tp_arg, "all") == 0 ? (gpus ? gpus : (die("--tp all: no GPU is visible; give --tp N"), 1))
+                                        : arg_int("--tp", tp_arg, 1, 64);
+    if (bench_ar) {
+        if (!gpus) die("--bench-allreduce: needs a GPU (none visible%s)", use_cpu ? ", --cpu given" : "");
+        if (hidden % 4) die("--hidden %d: must be a multiple of 4", hidden);
+#ifdef NEMOH_CUDA
+        return cuda_bench_allreduce(tp, hidden) ? 1 : 0;
+#endif
+    }
 
     double t0 = now_s();
     Engine e = {0};
     if (preset) {
         preset_config(&e.c, find_preset(preset));
-        build_random_checkpoint(&e.ck, &e.c, 1234);
+        build_random_checkpoint(&e.ck, &e.c, 1234, gpus == 0);
     } else {
         config_load(&e.c, dir);
         build_checkpoint(&e.ck, dir);
     }
     if (ctx == 0) ctx = e.c.ctx;
+    check_tp(&e.c, tp);
     int n_prompt = 0, *tokens = NULL;
     if (ids_arg) tokens = parse_ids(ids_arg, &n_prompt);
-    else die("a text prompt needs a tokenizer; use --ids");
+    else if (!do_bench) die("a text prompt needs a tokenizer; use --ids");
     (void)prompt;
-    if (n_prompt == 0) die("the prompt is empty");
+    if (!do_bench && n_prompt == 0) die("the prompt is empty");
     for (int i = 0; i < n_prompt; i++)
         if (tokens[i] >= e.c.vocab) die("--ids: token id %d is outside the vocabulary (vocab_size %d)", tokens[i], e.c.vocab);
     if (n_prompt > ctx) die("the prompt has %d tokens, more than the context of %d (-c)", n_prompt, ctx);
     if (dump_path && !(o.dump = fopen(dump_path, "wb"))) die("--dump-logits %s: cannot open for writing", dump_path);
 
-    int tp = strcmp(tp_arg, "all") == 0 ? 1 : arg_int("--tp", tp_arg, 1, 64);
-    check_tp(&e.c, tp);
-    int t_max = ctx < 128 ? ctx : 128;
+    const Backend *be = &cpu_backend;
+#ifdef NEMOH_CUDA
+    if (gpus) be = &cuda_backend;
+#endif
+    int t_max = chunk ? chunk : gpus ? 2048 : 128;
+    if (t_max > ctx) t_max = ctx;
     cpu_threads = (int)sysconf(_SC_NPROCESSORS_ONLN) / tp;
     if (cpu_threads < 1) cpu_threads = 1;
-    build_engine(&e, &cpu_backend, tp, t_max, ctx, fuse);
-    fprintf(stderr, "nemoh: loaded %s in %.2f s (backend %s, seed %llu)\n", preset ? preset : dir, now_s() - t0,
-            e.be->name, (unsigned long long)o.seed);
-    generate(&e, tokens, n_prompt, &o);
+    build_engine(&e, be, tp, t_max, ctx, fuse, o.dump ? t_max : 1, graph);
+    fprintf(stderr, "nemoh: loaded %s in %.2f s (backend %s, %d rank%s, seed %llu)\n", preset ? preset : dir, now_s() - t0,
+            be->name, tp, tp > 1 ? "s" : "", (unsigned long long)o.seed);
+    if (do_bench) {
+        bench(&e, preset ? preset : dir, P, n_set ? o.n : 256, gpus > 0);
+    } else {
+        GenStats st = generate(&e, tokens, n_prompt, &o);
+        fprintf(stderr, "nemoh: prefill %d tokens in %.3f s (%.1f tok/s); decode %d tokens in %.3f s (%.1f tok/s)\n",
+                n_prompt, st.prefill_s, n_prompt / st.prefill_s, st.made, st.decode_s,
+                st.made > 1 ? (st.made - 1) / st.decode_s : 0.0);
+    }
     if (o.dump && fclose(o.dump) != 0) die("--dump-logits %s: write failed", dump_path);
     free_engine(&e);
     free_checkpoint(&e.ck);

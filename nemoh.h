@@ -110,7 +110,7 @@ typedef struct Rank Rank;
 
 typedef struct {
     const char *name;
-    void *(*setup)(const Config *c, int n, int t_max);  /* state the n ranks share, made first */
+    void *(*setup)(const Config *c, int n, int t_max, int logit_rows);  /* shared state, made first */
     void (*teardown)(void *sh);
     void (*init)(Rank *r);                              /* allocate state, upload weights */
     void (*free)(Rank *r);
@@ -141,7 +141,22 @@ struct Rank {
     int fuse;                   /* 1: fused all-reduce at the next layer's entry; 0: at layer end */
     int trace;                  /* print what each layer of the next single-token step runs */
     int gpu;                    /* device index (CUDA backend) */
+    int graph;                  /* capture the single-token step once as a CUDA graph and replay it */
 };
+
+/* ------------------------------------------------------------------------------------------------
+ * The CUDA backend (nemoh.cu), present when nemoh is built with nvcc
+ * ---------------------------------------------------------------------------------------------- */
+
+#ifdef NEMOH_CUDA
+extern const Backend cuda_backend;
+int cuda_devices(void);                         /* usable GPUs; 0 when there is no driver or device */
+const char *cuda_device_name(void);             /* GPU 0's name */
+double cuda_copy_gbps(void);                    /* GPU 0 device-to-device copy, bytes read + written, GB/s */
+size_t cuda_used_bytes(Rank *r);                /* device memory in use on this rank's GPU */
+const char *cuda_fuse_path(Rank *r);            /* which all-reduce path the layer loop's NORM_FUSED takes */
+int cuda_bench_allreduce(int n, int hidden);    /* --bench-allreduce; returns the number of failed checks */
+#endif
 
 /* ------------------------------------------------------------------------------------------------
  * Small math shared by host and device

@@ -1,0 +1,1215 @@
+/* nemoh.cu: the CUDA backend. The same forward pass as the CPU reference in nemoh.c, on one GPU per
+ * tensor-parallel rank: weights kept in the dtype they were stored in (bf16 stays bf16, f32 and f16
+ * become f32), fp32 activations, residual, SSM state and KV cache. Matrix-vector products for one
+ * token are our own bandwidth-bound kernels; for a prompt chunk they go through cuBLAS. Ranks talk
+ * through NCCL; the all-reduce a layer owes is fused into the next layer's entry with NCCL 2.28's
+ * device API (symmetric window + LSA barrier).
+ *
+ * Sections: error checks, device structs, kernels (elementwise and norms, the fused all-reduce, the
+ * matrix-vector product, Mamba2, attention, sampling), matrix products, the backend operations,
+ * setup and teardown, benchmarks. */
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <nccl_device.h>
+#include <float.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "nemoh.h"
+
+/* ------------------------------------------------------------------------------------------------
+ * Error checks: every call and every launch; file:line, the call and the error string, then exit
+ * ---------------------------------------------------------------------------------------------- */
+
+#define CUDA_CHECK(call) do { cudaError_t e_ = (call); if (e_ != cudaSuccess) { \
+    fprintf(stderr, "nemoh: %s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); exit(1); } } while (0)
+#define CUBLAS_CHECK(call) do { cublasStatus_t s_ = (call); if (s_ != CUBLAS_STATUS_SUCCESS) { \
+    fprintf(stderr, "nemoh: %s:%d: %s: %s\n", __FILE__, __LINE__, #call, cublasGetStatusString(s_)); exit(1); } } while (0)
+#define NCCL_CHECK(call) do { ncclResult_t r_ = (call); if (r_ != ncclSuccess) { \
+    fprintf(stderr, "nemoh: %s:%d: %s: %s\n", __FILE__, __LINE__, #call, ncclGetErrorString(r_)); exit(1); } } while (0)
+#define LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
+
+static int cdiv(long a, long b) { return (int)((a + b - 1) / b); }
+
+/* ------------------------------------------------------------------------------------------------
+ * Device structs
+ * ---------------------------------------------------------------------------------------------- */
+
+typedef __nv_bfloat16 bf16;
+
+typedef struct {
+    void *w;                    /* [rows, ld] row-major, bf16 or fp32 */
+    int bf;                     /* 1: bf16 elements, 0: fp32 */
+    int rows, cols;             /* logical shape */
+    int ld;                     /* row stride in elements, a multiple of 8 (16-byte rows) */
+} GMat;
+
+typedef struct {
+    float *norm;                /* [hidden] pre-mixer RMSNorm weight */
+    GMat in_proj;               /* [in_proj, hidden] rows z | x | B | C | dt of this rank */
+    float *conv_w, *conv_b;     /* [conv, 4], [conv] */
+    float *A, *D, *dt_bias;     /* [m_heads] each; A = -exp(A_log) */
+    float *gnorm;               /* [d_inner] gated group-norm weight */
+    GMat out;                   /* [hidden, d_inner] out_proj columns of this rank */
+    GMat qkv;                   /* [(q + 2 kv) * head_dim, hidden] q, k, v rows of this rank */
+    GMat o;                     /* [hidden, q * head_dim] */
+    GMat up, down;              /* [mlp, hidden], [hidden, mlp] */
+    float *conv_st;             /* [conv, 3] last conv inputs, oldest first */
+    float *ssm;                 /* [m_heads, m_hdim, d_state] fp32 state */
+    float *k, *v;               /* [ctx, kv * head_dim] fp32 cache */
+} GLayer;
+
+typedef struct {
+    int n;                      /* ranks */
+    ncclComm_t comm[64];        /* [n] one communicator per rank, made together */
+    int t_max, logit_rows;      /* sizes every rank allocates */
+} GpuShared;
+
+typedef struct {
+    cudaStream_t stream;        /* everything of this rank runs in order on it */
+    cublasHandle_t blas;        /* prefill matrix products */
+    void *blas_ws;              /* cuBLAS workspace */
+    GLayer L[MAX_LAYERS];       /* [n_layers] weights and state */
+    bf16 *embed;                /* [vocab, hidden] (bf16 or fp32, see embed_bf) */
+    int embed_bf;               /* embedding stored as bf16 (1) or fp32 (0) */
+    GMat lm_head;               /* [vocab / n, hidden] */
+    float *norm_f;              /* [hidden] */
+    float *res;                 /* [t_max, hidden] residual stream */
+    float *x;                   /* [t_max, hidden] normed mixer input */
+    float *pend;                /* [2, t_max, hidden] pending partial sums, two alternating slots, in
+                                   the symmetric window when the device API is up */
+    float *red;                 /* [t_max, hidden] output of a plain all-reduce */
+    const float *owed;          /* what NORM_ADD adds: a pend slot, or red after an all-reduce */
+    int slot;                   /* pend slot the current mixer writes */
+    float *proj;                /* [t_max, proj_w] projections */
+    float *xbc;                 /* [t_max, conv] conv1d + SiLU output */
+    float *y;                   /* [t_max, y_w] mixer output before its out projection */
+    bf16 *act16;                /* [t_max, act_w] bf16 copy of a GEMM input */
+    float *scores;              /* [t_max, ctx] attention scores of one head (prefill) */
+    float *part;                /* [q, splits, head_dim + 2] decode attention partials */
+    float *logits_local;        /* [logit_rows, vocab / n] */
+    float *logits;              /* [logit_rows, vocab] gathered (aliases logits_local at n = 1) */
+    float *host_logits;         /* [logit_rows, vocab] pinned copy for --dump-logits */
+    float *probs;               /* [vocab] sampling scratch */
+    int *tok;                   /* [t_max] token ids of this step */
+    int *pos;                   /* [1] position of the step's first token */
+    int *sampled;               /* [1] the sampled token */
+    int *host_io;               /* [t_max + 2] pinned staging: tokens, position, sampled */
+    int rows;                   /* logits rows the last step wrote */
+    int proj_w, y_w, act_w, splits;
+    ncclWindow_t win;           /* pend registered as a symmetric window */
+    ncclDevComm dev;            /* device communicator with lsa barriers */
+    int devapi;                 /* 1: the fused kernel uses the device API; 0: ncclAllReduce fallback */
+    int pend_nccl;              /* pend came from ncclMemAlloc (else cudaMalloc) */
+    cudaGraphExec_t graph;      /* the captured single-token step */
+    int capturing, captured;
+} GpuRank;
+
+enum { FUSED_BLOCKS = 128, FUSED_THREADS = 512, SPLIT = 256 };
+
+/* ------------------------------------------------------------------------------------------------
+ * Kernels: embedding, norms, elementwise
+ * ---------------------------------------------------------------------------------------------- */
+
+__device__ float warp_sum(float v) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+/* Sum over the block (blockDim a multiple of 32, at most 1024); every thread gets the result. */
+__device__ float block_sum(float v) {
+    __shared__ float part[32];
+    __shared__ float total;
+    v = warp_sum(v);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float s = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.0f;
+        s = warp_sum(s);
+        if (threadIdx.x == 0) total = s;
+    }
+    __syncthreads();
+    float r = total;
+    __syncthreads();
+    return r;
+}
+
+/* res[t] = embedding[tok[t]] */
+__global__ void embed_kernel(float *res, const void *emb, int bf, const int *tok, int H) {
+    int t = blockIdx.x;
+    size_t row = (size_t)tok[t] * H;
+    for (int i = threadIdx.x; i < H; i += blockDim.x)
+        res[(size_t)t * H + i] = bf ? __bfloat162float(((const bf16 *)emb)[row + i]) : ((const float *)emb)[row + i];
+}
+
+/* res[t] += add[t] (if add); x[t] = res[t] * rsqrt(mean(res[t]^2) + eps) * w */
+__global__ void rmsnorm_kernel(float *x, float *res, const float *add, const float *w, int H, float eps) {
+    float *r = res + (size_t)blockIdx.x * H;
+    float ss = 0;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        float v = r[i] + (add ? add[(size_t)blockIdx.x * H + i] : 0.0f);
+        if (add) r[i] = v;
+        ss += v * v;
+    }
+    float scale = rsqrtf(block_sum(ss) / H + eps);
+    for (int i = threadIdx.x; i < H; i += blockDim.x) x[(size_t)blockIdx.x * H + i] = r[i] * scale * w[i];
+}
+
+/* The fused all-reduce + residual add + RMSNorm, at a layer's entry:
+ *   res[t] += sum over ranks r (in rank order) of pend_r[t];  x[t] = rmsnorm(res[t]) * w
+ * One LSA barrier at entry: every rank's partial sums (written by its previous kernels) are complete
+ * and visible. There is no exit barrier: the next mixer writes the other pend slot, and a rank can
+ * only come back to this slot after every peer has passed the next call's entry barrier, i.e. after
+ * it finished reading here. The grid size is FUSED_BLOCKS on every rank (a rank-invariant shape). */
+__global__ void __launch_bounds__(FUSED_THREADS) fused_allreduce_norm_kernel(
+        ncclDevComm dev, ncclWindow_t win, size_t offset, float *x, float *res, const float *w, int T, int H, float eps) {
+    ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x);
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+    int n = dev.lsaSize;
+    for (int t = blockIdx.x; t < T; t += gridDim.x) {
+        float *r = res + (size_t)t * H, ss = 0;
+        size_t off = offset + (size_t)t * H * sizeof(float);
+        for (int i = threadIdx.x; i < H; i += blockDim.x) {
+            float s = 0;
+            for (int p = 0; p < n; p++) s += ((const float *)ncclGetLsaPointer(win, off, p))[i];
+            float v = r[i] + s;
+            r[i] = v;
+            ss += v * v;
+        }
+        float scale = rsqrtf(block_sum(ss) / H + eps);
+        for (int i = threadIdx.x; i < H; i += blockDim.x) x[(size_t)t * H + i] = r[i] * scale * w[i];
+    }
+}
+
+/* out = bf16(in), row by row: [T, cols] with row strides ldi, ldo */
+__global__ void to_bf16_kernel(bf16 *out, int ldo, const float *in, int ldi, int cols) {
+    const float *src = in + (size_t)blockIdx.x * ldi;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(size_t)blockIdx.x * ldo + i] = __float2bfloat16(src[i]);
+}
+
+/* x = relu(x)^2 */
+__global__ void relu2_kernel(float *x, size_t n) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { float v = fmaxf(x[i], 0.0f); x[i] = v * v; }
+}
+
+/* Deterministic uniform(-a, a) fill for synthetic weights (the same coin() as the host). */
+__global__ void fill_kernel(void *p, int bf, size_t n, float a, uint64_t seed) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float v = (2.0f * coin(seed, i) - 1.0f) * a;
+        if (bf) ((bf16 *)p)[i] = __float2bfloat16(v); else ((float *)p)[i] = v;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Kernels: the matrix-vector product for one token, at the memory-bandwidth limit
+ * ---------------------------------------------------------------------------------------------- */
+
+/* 16-byte weight load that streams past L1 (weights are read once per token). */
+__device__ __forceinline__ uint4 ld_stream(const uint4 *p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+/* 16 bytes of weights dotted with the matching x: 8 bf16 or 4 fp32 elements */
+__device__ __forceinline__ float dot16(uint4 w, const float *x, int bf) {
+    if (bf) {
+        const float4 a = *(const float4 *)x, b = *(const float4 *)(x + 4);
+        uint32_t u[4] = {w.x, w.y, w.z, w.w};
+        float lo[4], hi[4];
+        for (int k = 0; k < 4; k++) { lo[k] = __uint_as_float(u[k] << 16); hi[k] = __uint_as_float(u[k] & 0xffff0000u); }
+        return lo[0] * a.x + hi[0] * a.y + lo[1] * a.z + hi[1] * a.w + lo[2] * b.x + hi[2] * b.y + lo[3] * b.z + hi[3] * b.w;
+    }
+    const float4 a = *(const float4 *)x;
+    return __uint_as_float(w.x) * a.x + __uint_as_float(w.y) * a.y + __uint_as_float(w.z) * a.z + __uint_as_float(w.w) * a.w;
+}
+
+enum { EPI_NONE, EPI_RELU2 };
+
+/* out[i] = epi(sum_k W[i][k] x[k]); one warp per row, four 16-byte loads in flight per lane.
+ * x must be 16-byte aligned; W rows are (their stride ld is a multiple of 8 elements). */
+template <int BF, int EPI>
+__global__ void __launch_bounds__(256) gemv_kernel(float *out, const void *W, int ld, const float *x, int rows, int cols) {
+    int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const int per = BF ? 8 : 4;                         /* elements per 16 bytes */
+    const char *wrow = (const char *)W + (size_t)row * ld * (BF ? 2 : 4);
+    const uint4 *w = (const uint4 *)wrow;
+    int nvec = cols / per, c = lane;
+    float acc = 0;
+    for (; c + 96 < nvec; c += 128) {
+        uint4 a = ld_stream(w + c), b = ld_stream(w + c + 32), d = ld_stream(w + c + 64), e = ld_stream(w + c + 96);
+        acc += dot16(a, x + c * per, BF) + dot16(b, x + (c + 32) * per, BF) + dot16(d, x + (c + 64) * per, BF) +
+               dot16(e, x + (c + 96) * per, BF);
+    }
+    for (; c < nvec; c += 32) acc += dot16(ld_stream(w + c), x + c * per, BF);
+    for (int k = nvec * per + lane; k < cols; k += 32)   /* the tail that is not a whole 16 bytes */
+        acc += (BF ? __bfloat162float(((const bf16 *)wrow)[k]) : ((const float *)wrow)[k]) * x[k];
+    acc = warp_sum(acc);
+    if (lane == 0) {
+        if (EPI == EPI_RELU2) { acc = fmaxf(acc, 0.0f); acc *= acc; }
+        out[row] = acc;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Kernels: Mamba2
+ * ---------------------------------------------------------------------------------------------- */
+
+/* Causal depthwise conv1d (width 4) + SiLU over T steps, one thread per channel, the window in
+ * registers: out[t] = silu(b + w0 in[t-3] + w1 in[t-2] + w2 in[t-1] + w3 in[t]); the state holds the
+ * three inputs before the step and is left holding the last three. */
+__global__ void conv_kernel(float *out, const float *in, int ldi, float *state, const float *w, const float *b,
+                            int T, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float w0 = w[c * 4], w1 = w[c * 4 + 1], w2 = w[c * 4 + 2], w3 = w[c * 4 + 3], bias = b[c];
+    float s0 = state[c * 3], s1 = state[c * 3 + 1], s2 = state[c * 3 + 2];
+    for (int t = 0; t < T; t++) {
+        float v = in[(size_t)t * ldi + c];
+        float a = bias + w0 * s0 + w1 * s1 + w2 * s2 + w3 * v;
+        out[(size_t)t * C + c] = a / (1.0f + __expf(-a));
+        s0 = s1; s1 = s2; s2 = v;
+    }
+    state[c * 3] = s0; state[c * 3 + 1] = s1; state[c * 3 + 2] = s2;
+}
+
+/* The selective scan over T steps, for one (head h, channel p) row of the state per group of LR
+ * lanes, each lane holding E consecutive state entries (N = LR * E):
+ *   dt = softplus(dt_raw + dt_bias[h]);  S = exp(dt A[h]) S + dt x[h,p] B[g];  y = S . C[g] + D[h] x[h,p]
+ * with g = h / (heads per group). T = 1 is the decode step; the state stays in registers between steps. */
+template <int E>
+__global__ void __launch_bounds__(256) ssm_scan_kernel(
+        float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
+        const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di) {
+    int LR = N / E, lane = threadIdx.x & 31, sub = lane % LR;
+    int row = (blockIdx.x * blockDim.x + threadIdx.x) / LR;     /* (h, p) */
+    bool live = row < H * P;
+    int h = live ? row / P : 0, p = row % P, g = h / (H / G), cv = di + 2 * G * N;
+    float S[E];
+    float *st = ssm + (size_t)row * N + sub * E;
+    for (int e = 0; e < E; e++) S[e] = live ? st[e] : 0.0f;
+    float a = A[h], d = D[h], bias = dt_bias[h];
+    for (int t = 0; t < T; t++) {
+        const float *xt = xbc + (size_t)t * cv;
+        float raw = proj[(size_t)t * ld_proj + dt_off + h] + bias;
+        float dt = raw > 20.0f ? raw : log1pf(__expf(raw));
+        float dA = __expf(dt * a), xv = xt[h * P + p], dx = dt * xv, part = 0;
+        const float *B = xt + di + g * N + sub * E, *C = B + G * N;
+        for (int e = 0; e < E; e++) {
+            S[e] = dA * S[e] + dx * B[e];
+            part += S[e] * C[e];
+        }
+        for (int o = LR / 2; o; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+        if (live && sub == 0) y[(size_t)t * di + h * P + p] = part + d * xv;
+    }
+    if (live) for (int e = 0; e < E; e++) st[e] = S[e];
+}
+
+/* u = y * silu(z), then RMSNorm over each group of gsize channels, times w: one block per (t, group) */
+__global__ void gated_norm_kernel(float *y, const float *z, int ldz, const float *w, int di, int gsize, float eps) {
+    int t = blockIdx.x / (di / gsize), g = blockIdx.x % (di / gsize);
+    float *yr = y + (size_t)t * di + g * gsize;
+    const float *zr = z + (size_t)t * ldz + g * gsize;
+    float ss = 0;
+    for (int i = threadIdx.x; i < gsize; i += blockDim.x) {
+        float zv = zr[i], u = yr[i] * zv / (1.0f + __expf(-zv));
+        yr[i] = u;
+        ss += u * u;
+    }
+    float scale = rsqrtf(block_sum(ss) / gsize + eps);
+    for (int i = threadIdx.x; i < gsize; i += blockDim.x) yr[i] *= scale * w[g * gsize + i];
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Kernels: attention (no positional encoding, causal, GQA)
+ * ---------------------------------------------------------------------------------------------- */
+
+/* cache[pos + t] = k[t], v[t] */
+__global__ void kv_append_kernel(float *kc, float *vc, const float *qkv, int ld, int qw, int kw, const int *pos) {
+    int t = blockIdx.x;
+    size_t dst = (size_t)(*pos + t) * kw;
+    for (int i = threadIdx.x; i < kw; i += blockDim.x) {
+        kc[dst + i] = qkv[(size_t)t * ld + qw + i];
+        vc[dst + i] = qkv[(size_t)t * ld + qw + kw + i];
+    }
+}
+
+/* One query (decode) against keys 0..pos, split along the sequence: block (head, split) keeps an
+ * online softmax over its SPLIT keys and writes (max, sum, sum_j e^(s_j - max) v_j) for combine. */
+__global__ void __launch_bounds__(128) attn_decode_kernel(
+        float *part, const float *q, const float *kc, const float *vc, const int *pos, int kw, int hd,
+        int group, int q0, int kv0, float scale, int splits) {
+    int h = blockIdx.x, s = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int n = *pos + 1, j0 = s * SPLIT, j1 = min(n, j0 + SPLIT);
+    float *out = part + ((size_t)h * splits + s) * (hd + 2);
+    if (j0 >= n) return;
+    const float *qh = q + h * hd;
+    int kvh = (q0 + h) / group - kv0;
+    float m = -INFINITY, l = 0, acc[8] = {0};             /* head_dim <= 256: 8 per lane */
+    for (int j = j0 + warp; j < j1; j += 4) {
+        const float *k = kc + (size_t)j * kw + kvh * hd, *v = vc + (size_t)j * kw + kvh * hd;
+        float dsum = 0;
+        for (int i = lane; i < hd; i += 32) dsum += qh[i] * k[i];
+        float sc = warp_sum(dsum) * scale, mn = fmaxf(m, sc), f = __expf(m - mn), e = __expf(sc - mn);
+        l = l * f + e;
+        for (int c = 0; c < 8; c++) if (lane + 32 * c < hd) acc[c] = acc[c] * f + e * v[lane + 32 * c];
+        m = mn;
+    }
+    __shared__ float sm[4], sl[4], sacc[4][256];
+    if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+    for (int c = 0; c < 8; c++) if (lane + 32 * c < hd) sacc[warp][lane + 32 * c] = acc[c];
+    __syncthreads();
+    float M = fmaxf(fmaxf(sm[0], sm[1]), fmaxf(sm[2], sm[3]));
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float a = 0;
+        for (int w = 0; w < 4; w++) if (sm[w] > -INFINITY) a += sacc[w][i] * __expf(sm[w] - M);
+        out[2 + i] = a;
+    }
+    if (threadIdx.x == 0) {
+        float L = 0;
+        for (int w = 0; w < 4; w++) if (sm[w] > -INFINITY) L += sl[w] * __expf(sm[w] - M);
+        out[0] = M;
+        out[1] = L;
+    }
+}
+
+/* out[h] = sum over splits of e^(m_s - M) acc_s / sum over splits of e^(m_s - M) l_s */
+__global__ void attn_combine_kernel(float *y, const float *part, const int *pos, int hd, int splits) {
+    int h = blockIdx.x, used = min(splits, (*pos + SPLIT) / SPLIT);
+    const float *p = part + (size_t)h * splits * (hd + 2);
+    float M = -INFINITY, L = 0;
+    for (int s = 0; s < used; s++) M = fmaxf(M, p[s * (hd + 2)]);
+    for (int s = 0; s < used; s++) L += p[s * (hd + 2) + 1] * __expf(p[s * (hd + 2)] - M);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float a = 0;
+        for (int s = 0; s < used; s++) a += p[s * (hd + 2) + 2 + i] * __expf(p[s * (hd + 2)] - M);
+        y[h * hd + i] = a / L;
+    }
+}
+
+/* Prefill: scores row t (queries pos+t) -> causal softmax over keys 0..pos+t, zero beyond. */
+__global__ void softmax_causal_kernel(float *S, int n_keys, const int *pos) {
+    float *row = S + (size_t)blockIdx.x * n_keys;
+    int n = *pos + blockIdx.x + 1;
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, row[j]);
+    __shared__ float red[32];
+    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) m = fmaxf(m, red[w]);
+    __syncthreads();
+    float sum = 0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) { float e = __expf(row[j] - m); row[j] = e; sum += e; }
+    float inv = 1.0f / block_sum(sum);
+    for (int j = threadIdx.x; j < n_keys; j += blockDim.x) row[j] = j < n ? row[j] * inv : 0.0f;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Kernels: sampling on the GPU, so only the token id crosses to the host
+ * ---------------------------------------------------------------------------------------------- */
+
+/* The same rule as sample_logits() in nemoh.c: argmax at temp 0 (first on ties); else probabilities
+ * p_i ~ exp((l_i - max) / temp), the top-p threshold by bisection, and a draw in index order with
+ * coin(seed, step). One block of 1024 threads; thread k owns a contiguous range of the vocabulary. */
+__global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, float *p, int V, float temp, float topp,
+                                                     uint64_t seed, uint64_t step) {
+    __shared__ float sv[1024];
+    __shared__ int si[1024];
+    __shared__ double sd[1024];
+    int tid = threadIdx.x, per = (V + 1023) / 1024, i0 = tid * per, i1 = min(V, i0 + per);
+    float best = -INFINITY;
+    int bi = V;
+    for (int i = i0; i < i1; i++) if (l[i] > best) { best = l[i]; bi = i; }
+    sv[tid] = best; si[tid] = bi;
+    __syncthreads();
+    for (int o = 512; o; o >>= 1) {
+        if (tid < o && (sv[tid + o] > sv[tid] || (sv[tid + o] == sv[tid] && si[tid + o] < si[tid]))) {
+            sv[tid] = sv[tid + o]; si[tid] = si[tid + o];
+        }
+        __syncthreads();
+    }
+    int arg = si[0];
+    float mx = sv[0];
+    if (temp <= 0) { if (tid == 0) *out = arg; return; }
+    double tot = 0;
+    for (int i = i0; i < i1; i++) tot += p[i] = expf((l[i] - mx) / temp);
+    /* block sums in double, tree order fixed: the same inputs give the same token every time */
+#define BLOCK_DSUM(v, res) do { sd[tid] = (v); __syncthreads(); \
+        for (int o = 512; o; o >>= 1) { if (tid < o) sd[tid] += sd[tid + o]; __syncthreads(); } \
+        res = sd[0]; __syncthreads(); } while (0)
+    double total;
+    BLOCK_DSUM(tot, total);
+    float lo = 0, hi = 1;
+    if (topp < 1) {
+        for (int it = 0; it < 40; it++) {
+            float mid = 0.5f * (lo + hi);
+            double m = 0, mass;
+            for (int i = i0; i < i1; i++) m += p[i] >= mid ? p[i] : 0;
+            BLOCK_DSUM(m, mass);
+            if (mass >= topp * total) lo = mid; else hi = mid;
+        }
+    }
+    double mine = 0, kept;
+    for (int i = i0; i < i1; i++) mine += p[i] >= lo ? p[i] : 0;
+    BLOCK_DSUM(mine, kept);
+    /* exclusive prefix of the kept mass over threads, then the thread holding the target walks its range */
+    sd[tid] = mine;
+    __syncthreads();
+    for (int o = 1; o < 1024; o <<= 1) {
+        double add = tid >= o ? sd[tid - o] : 0;
+        __syncthreads();
+        sd[tid] += add;
+        __syncthreads();
+    }
+    double target = coin(seed, step) * kept, before = sd[tid] - mine;
+    if (tid == 0) *out = arg;
+    __syncthreads();
+    if (mine > 0 && before <= target && target < sd[tid]) {  /* none (rounding at the very end): the argmax stays */
+        double cum = before;
+        int pick = -1;
+        for (int i = i0; i < i1; i++) {
+            if (p[i] < lo) continue;
+            cum += p[i];
+            pick = i;
+            if (cum > target) break;
+        }
+        if (pick >= 0) *out = pick;
+    }
+#undef BLOCK_DSUM
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Matrix products: our GEMV for one token, cuBLAS for a chunk of tokens
+ * ---------------------------------------------------------------------------------------------- */
+
+/* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2 */
+static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi) {
+    if (T == 1) {
+        dim3 grid(cdiv(W->rows, 8));
+        if (W->bf) {
+            if (epi) gemv_kernel<1, EPI_RELU2><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols);
+            else gemv_kernel<1, EPI_NONE><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols);
+        } else {
+            if (epi) gemv_kernel<0, EPI_RELU2><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols);
+            else gemv_kernel<0, EPI_NONE><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols);
+        }
+        LAUNCH_CHECK();
+        return;
+    }
+    /* row-major out[T][rows] = x[T][cols] W^T is column-major out^T = W^T(op T of W's storage) x^T */
+    const float one = 1.0f, zero = 0.0f;
+    if (W->bf) {
+        to_bf16_kernel<<<T, 256, 0, g->stream>>>(g->act16, g->act_w, x, ldx, W->cols);
+        LAUNCH_CHECK();
+        CUBLAS_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, W->rows, T, W->cols, &one, W->w, CUDA_R_16BF, W->ld,
+                                  g->act16, CUDA_R_16BF, g->act_w, &zero, out, CUDA_R_32F, ldo, CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT));
+    } else {
+        CUBLAS_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, W->rows, T, W->cols, &one, W->w, CUDA_R_32F, W->ld,
+                                  x, CUDA_R_32F, ldx, &zero, out, CUDA_R_32F, ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
+    if (epi) {  /* relu^2 over the T dense rows (epi is only asked for with ldo == rows) */
+        relu2_kernel<<<cdiv((long)T * W->rows, 256), 256, 0, g->stream>>>(out, (size_t)T * W->rows);
+        LAUNCH_CHECK();
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * The backend operations (see Backend in nemoh.h)
+ * ---------------------------------------------------------------------------------------------- */
+
+static GpuRank *G(Rank *r) { return (GpuRank *)r->st; }
+static GpuShared *SH(Rank *r) { return (GpuShared *)r->sh; }
+
+static float *pend_slot(GpuRank *g, const Rank *r, int slot) { return g->pend + (size_t)slot * r->t_max * r->c->hidden; }
+
+static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
+    GpuRank *g = G(r);
+    CUDA_CHECK(cudaSetDevice(r->gpu));
+    CUDA_CHECK(cudaStreamSynchronize(g->stream));  /* host_io may still feed the previous step's copy */
+    memcpy(g->host_io, tok, (size_t)T * sizeof(int));
+    g->host_io[T] = pos;
+    CUDA_CHECK(cudaMemcpyAsync(g->tok, g->host_io, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, g->stream));
+    CUDA_CHECK(cudaMemcpyAsync(g->pos, g->host_io + T, sizeof(int), cudaMemcpyHostToDevice, g->stream));
+    g->slot = 0;
+    if (T == 1 && r->graph && !g->captured) {
+        CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
+        g->capturing = 1;
+    }
+}
+
+static void gpu_end(Rank *r, int T) {
+    (void)T;
+    GpuRank *g = G(r);
+    if (!g->capturing) return;
+    cudaGraph_t graph;
+    CUDA_CHECK(cudaStreamEndCapture(g->stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&g->graph, graph, 0));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    g->capturing = 0;
+    g->captured = 1;
+    CUDA_CHECK(cudaGraphLaunch(g->graph, g->stream));  /* the capture recorded the step; now run it */
+}
+
+static int gpu_replay(Rank *r, const int *tok, int T, int pos) {
+    GpuRank *g = G(r);
+    if (T != 1 || !g->captured) return 0;
+    CUDA_CHECK(cudaSetDevice(r->gpu));
+    CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    g->host_io[0] = tok[0];
+    g->host_io[1] = pos;
+    CUDA_CHECK(cudaMemcpyAsync(g->tok, g->host_io, sizeof(int), cudaMemcpyHostToDevice, g->stream));
+    CUDA_CHECK(cudaMemcpyAsync(g->pos, g->host_io + 1, sizeof(int), cudaMemcpyHostToDevice, g->stream));
+    CUDA_CHECK(cudaGraphLaunch(g->graph, g->stream));
+    g->rows = 1;
+    return 1;
+}
+
+static void gpu_embed(Rank *r, const int *tok, int T) {
+    (void)tok;  /* already on the device (gpu_begin), so a captured step reads the current token */
+    GpuRank *g = G(r);
+    embed_kernel<<<T, 256, 0, g->stream>>>(g->res, g->embed, g->embed_bf, g->tok, r->c->hidden);
+    LAUNCH_CHECK();
+}
+
+static void gpu_norm(Rank *r, int l, int how, int T) {
+    GpuRank *g = G(r);
+    const Config *c = r->c;
+    const float *w = l < c->n_layers ? g->L[l].norm : g->norm_f;
+    if (how == NORM_FUSED && g->devapi) {
+        size_t off = (size_t)g->slot * r->t_max * c->hidden * sizeof(float);
+        fused_allreduce_norm_kernel<<<FUSED_BLOCKS, FUSED_THREADS, 0, g->stream>>>(g->dev, g->win, off, g->x, g->res, w, T,
+                                                                                     c->hidden, c->eps);
+        LAUNCH_CHECK();
+        g->slot ^= 1;
+        return;
+    }
+    if (how == NORM_FUSED) {  /* fallback: a plain all-reduce, then the add and the norm */
+        NCCL_CHECK(ncclAllReduce(g->owed, g->red, (size_t)T * c->hidden, ncclFloat, ncclSum, SH(r)->comm[r->s.rank], g->stream));
+        g->owed = g->red;
+        g->slot ^= 1;
+    }
+    rmsnorm_kernel<<<T, 256, 0, g->stream>>>(g->x, g->res, how == NORM_PLAIN ? NULL : g->owed, w, c->hidden, c->eps);
+    LAUNCH_CHECK();
+}
+
+static void gpu_allreduce(Rank *r, int T) {
+    GpuRank *g = G(r);
+    if (r->s.n > 1) {
+        NCCL_CHECK(ncclAllReduce(g->owed, g->red, (size_t)T * r->c->hidden, ncclFloat, ncclSum, SH(r)->comm[r->s.rank], g->stream));
+        g->owed = g->red;
+    }
+    g->slot ^= 1;
+}
+
+/* Where the current mixer writes its partial sums. */
+static float *mixer_out(Rank *r) {
+    GpuRank *g = G(r);
+    float *p = pend_slot(g, r, g->slot);
+    g->owed = p;
+    return p;
+}
+
+static void gpu_mamba(Rank *r, int l, int T, int pos) {
+    (void)pos;
+    GpuRank *g = G(r);
+    GLayer *L = &g->L[l];
+    const Config *c = r->c;
+    const Shard *s = &r->s;
+    int H = c->hidden, di = s->d_inner, cv = s->conv, in = s->in_proj, N = c->d_state;
+    matmul(g, g->proj, in, g->x, H, T, &L->in_proj, EPI_NONE);
+    conv_kernel<<<cdiv(cv, 128), 128, 0, g->stream>>>(g->xbc, g->proj + di, in, L->conv_st, L->conv_w, L->conv_b, T, cv);
+    LAUNCH_CHECK();
+    int rows = s->m_heads * c->m_hdim;
+    if (N <= 128) {
+        int LR = N / 4;
+        ssm_scan_kernel<4><<<cdiv((long)rows * LR, 256), 256, 0, g->stream>>>(
+            g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N, s->groups, di);
+    } else {
+        ssm_scan_kernel<8><<<cdiv((long)rows * 32, 256), 256, 0, g->stream>>>(
+            g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N, s->groups, di);
+    }
+    LAUNCH_CHECK();
+    gated_norm_kernel<<<T * s->groups, 256, 0, g->stream>>>(g->y, g->proj, in, L->gnorm, di, di / s->groups, c->eps);
+    LAUNCH_CHECK();
+    matmul(g, mixer_out(r), H, g->y, di, T, &L->out, EPI_NONE);
+}
+
+static void gpu_attention(Rank *r, int l, int T, int pos) {
+    GpuRank *g = G(r);
+    GLayer *L = &g->L[l];
+    const Config *c = r->c;
+    const Shard *s = &r->s;
+    int H = c->hidden, hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, w = qw + 2 * kw, group = c->n_heads / c->n_kv;
+    float scale = 1.0f / sqrtf((float)hd);
+    matmul(g, g->proj, w, g->x, H, T, &L->qkv, EPI_NONE);
+    kv_append_kernel<<<T, 256, 0, g->stream>>>(L->k, L->v, g->proj, w, qw, kw, g->pos);
+    LAUNCH_CHECK();
+    if (T == 1) {
+        attn_decode_kernel<<<dim3(s->q, g->splits), 128, 0, g->stream>>>(g->part, g->proj, L->k, L->v, g->pos, kw, hd, group,
+                                                                         s->q0, s->kv0, scale, g->splits);
+        LAUNCH_CHECK();
+        attn_combine_kernel<<<s->q, 128, 0, g->stream>>>(g->y, g->part, g->pos, hd, g->splits);
+        LAUNCH_CHECK();
+    } else {
+        /* per head: S = scale Q K^T over keys 0..pos+T-1; causal softmax; O = S V (fp32 cuBLAS) */
+        int n_keys = pos + T;
+        const float one = 1.0f, zero = 0.0f;
+        for (int h = 0; h < s->q; h++) {
+            int kvh = (s->q0 + h) / group - s->kv0;
+            CUBLAS_CHECK(cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, n_keys, T, hd, &scale, L->k + kvh * hd, kw,
+                                     g->proj + h * hd, w, &zero, g->scores, n_keys));
+            softmax_causal_kernel<<<T, 256, 0, g->stream>>>(g->scores, n_keys, g->pos);
+            LAUNCH_CHECK();
+            CUBLAS_CHECK(cublasSgemm(g->blas, CUBLAS_OP_N, CUBLAS_OP_N, hd, T, n_keys, &one, L->v + kvh * hd, kw, g->scores,
+                                     n_keys, &zero, g->y + h * hd, qw));
+        }
+    }
+    matmul(g, mixer_out(r), H, g->y, qw, T, &L->o, EPI_NONE);
+}
+
+static void gpu_mlp(Rank *r, int l, int T) {
+    GpuRank *g = G(r);
+    GLayer *L = &g->L[l];
+    int H = r->c->hidden, m = r->s.mlp;
+    matmul(g, g->proj, m, g->x, H, T, &L->up, EPI_RELU2);
+    matmul(g, mixer_out(r), H, g->proj, m, T, &L->down, EPI_NONE);
+}
+
+static void gpu_logits(Rank *r, int T, int all) {
+    GpuRank *g = G(r);
+    const Config *c = r->c;
+    int H = c->hidden, Vl = r->s.vocab, rows = all ? T : 1;
+    const float *x = g->x + (size_t)(all ? 0 : T - 1) * H;
+    matmul(g, g->logits_local, Vl, x, H, rows, &g->lm_head, EPI_NONE);
+    if (r->s.n > 1) {  /* row t of the gathered logits: [rank 0 slice | rank 1 slice | ...] */
+        NCCL_CHECK(ncclGroupStart());
+        for (int t = 0; t < rows; t++)
+            NCCL_CHECK(ncclAllGather(g->logits_local + (size_t)t * Vl, g->logits + (size_t)t * c->vocab, Vl, ncclFloat,
+                                     SH(r)->comm[r->s.rank], g->stream));
+        NCCL_CHECK(ncclGroupEnd());
+    }
+    g->rows = rows;
+}
+
+static int gpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t step) {
+    GpuRank *g = G(r);
+    int V = r->c->vocab;
+    sample_kernel<<<1, 1024, 0, g->stream>>>(g->sampled, g->logits + (size_t)(g->rows - 1) * V, g->probs, V, temp, topp, seed, step);
+    LAUNCH_CHECK();
+    CUDA_CHECK(cudaMemcpyAsync(g->host_io, g->sampled, sizeof(int), cudaMemcpyDeviceToHost, g->stream));
+    CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    return g->host_io[0];
+}
+
+static const float *gpu_host_logits(Rank *r, int rows) {
+    GpuRank *g = G(r);
+    CUDA_CHECK(cudaSetDevice(r->gpu));
+    CUDA_CHECK(cudaMemcpyAsync(g->host_logits, g->logits, (size_t)rows * r->c->vocab * sizeof(float), cudaMemcpyDeviceToHost,
+                               g->stream));
+    CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    return g->host_logits;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Setup: communicators, memory check, weights onto the device, buffers; teardown
+ * ---------------------------------------------------------------------------------------------- */
+
+int cuda_devices(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) { cudaGetLastError(); return 0; }
+    return n;
+}
+
+static void *gpu_setup(const Config *c, int n, int t_max, int logit_rows) {
+    GpuShared *sh = (GpuShared *)calloc(1, sizeof(GpuShared));
+    if (!sh) { fprintf(stderr, "nemoh: out of memory\n"); exit(1); }
+    int have = cuda_devices();
+    if (n > have) { fprintf(stderr, "nemoh: --tp %d: only %d GPU%s visible\n", n, have, have == 1 ? "" : "s"); exit(1); }
+    if (c->n_layers && memchr(c->kind, 'M', c->n_layers)) {
+        int E = c->d_state <= 128 ? 4 : 8;
+        if (c->d_conv != 4 || c->d_state % E || (c->d_state / E) & (c->d_state / E - 1) || c->d_state / E > 32) {
+            fprintf(stderr, "nemoh: the CUDA backend needs conv_kernel 4 and ssm_state_size 8..256 a power-of-two "
+                            "multiple of 4 (have %d, %d); use --cpu\n", c->d_conv, c->d_state);
+            exit(1);
+        }
+    }
+    if (c->head_dim > 256) { fprintf(stderr, "nemoh: the CUDA backend needs head_dim <= 256; use --cpu\n"); exit(1); }
+    int devs[64];
+    for (int i = 0; i < n; i++) devs[i] = i;
+    NCCL_CHECK(ncclCommInitAll(sh->comm, n, devs));
+    sh->n = n;
+    sh->t_max = t_max;
+    sh->logit_rows = logit_rows;
+    return sh;
+}
+
+static void gpu_teardown(void *p) {
+    GpuShared *sh = (GpuShared *)p;
+    for (int i = 0; i < sh->n; i++) {
+        CUDA_CHECK(cudaSetDevice(i));
+        NCCL_CHECK(ncclCommDestroy(sh->comm[i]));
+    }
+    free(sh);
+}
+
+static int pad8(int n) { return (n + 7) / 8 * 8; }
+
+static float host_load(const void *p, int dtype, size_t i) {
+    if (dtype == DT_F32) { float f; memcpy(&f, (const char *)p + 4 * i, 4); return f; }
+    uint16_t h;
+    memcpy(&h, (const char *)p + 2 * i, 2);
+    uint32_t u;
+    if (dtype == DT_BF16) u = (uint32_t)h << 16;
+    else {  /* f16 */
+        uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
+        if (e == 31) u = sign | 0x7F800000u | m << 13;
+        else if (e) u = sign | (e + 112) << 23 | m << 13;
+        else { float f = ldexpf((float)m, -24); memcpy(&u, &f, 4); u |= sign; }
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static uint64_t synth_seed = 0x5eed;
+
+/* Uploads host views, stacked by rows, into one device matrix [sum rows, cols] with a padded row
+ * stride; bf16 stays bf16, f32 and f16 become f32. Views without data are synthetic: drawn here. */
+static GMat upload_mat(const Mat *parts, int n_parts) {
+    GMat m = {0};
+    m.bf = parts[0].dtype == DT_BF16;
+    m.cols = parts[0].cols;
+    m.ld = pad8(m.cols);
+    for (int k = 0; k < n_parts; k++) m.rows += parts[k].rows;
+    size_t es = m.bf ? 2 : 4, bytes = (size_t)m.rows * m.ld * es;
+    CUDA_CHECK(cudaMalloc(&m.w, bytes));
+    CUDA_CHECK(cudaMemset(m.w, 0, bytes));
+    if (!parts[0].data) {
+        fill_kernel<<<1024, 256>>>(m.w, m.bf, bytes / es, sqrtf(3.0f / m.cols), synth_seed++);  /* pad included: harmless */
+        LAUNCH_CHECK();
+        return m;
+    }
+    char *row = (char *)malloc((size_t)m.ld * es);
+    size_t r0 = 0;
+    for (int k = 0; k < n_parts; k++) {
+        const Mat *p = &parts[k];
+        if (m.bf && p->ld == (size_t)m.ld) {  /* dense bf16 rows: one copy straight from the mapping */
+            CUDA_CHECK(cudaMemcpy((char *)m.w + r0 * m.ld * es, p->data, (size_t)p->rows * m.ld * es, cudaMemcpyHostToDevice));
+            r0 += p->rows;
+            continue;
+        }
+        for (int i = 0; i < p->rows; i++, r0++) {
+            const char *src = (const char *)p->data + (size_t)i * p->ld * (p->dtype == DT_F32 ? 4 : 2);
+            if (m.bf) memcpy(row, src, (size_t)m.cols * 2);
+            else for (int j = 0; j < m.cols; j++) ((float *)row)[j] = host_load(src, p->dtype, (size_t)j);
+            CUDA_CHECK(cudaMemcpy((char *)m.w + r0 * m.ld * es, row, (size_t)m.cols * es, cudaMemcpyHostToDevice));
+        }
+    }
+    free(row);
+    return m;
+}
+
+static float *upload_f32(const float *h, size_t n) {
+    float *d;
+    CUDA_CHECK(cudaMalloc(&d, n * sizeof(float)));
+    CUDA_CHECK(cudaMemcpy(d, h, n * sizeof(float), cudaMemcpyHostToDevice));
+    return d;
+}
+
+static float *zeros(size_t n) {
+    float *d;
+    CUDA_CHECK(cudaMalloc(&d, (n ? n : 1) * sizeof(float)));
+    CUDA_CHECK(cudaMemset(d, 0, (n ? n : 1) * sizeof(float)));
+    return d;
+}
+
+static size_t mat_bytes(const Mat *m, int rows) { return (size_t)rows * pad8(m->cols) * (m->dtype == DT_BF16 ? 2 : 4); }
+
+/* Device bytes this rank needs, counted before anything large is allocated. */
+static size_t bytes_needed(const Rank *r, const GpuRank *g) {
+    const Config *c = r->c;
+    const Shard *s = &r->s;
+    const Weights *w = &r->w;
+    size_t H = c->hidden, T = r->t_max, f = sizeof(float), b = 0;
+    b += mat_bytes(&w->embed, c->vocab) + mat_bytes(&w->lm_head, s->vocab) + H * f;
+    for (int l = 0; l < c->n_layers; l++) {
+        const Layer *L = &w->layer[l];
+        b += H * f;
+        if (L->kind == 'M')
+            b += mat_bytes(&L->in_proj[0], s->in_proj) + mat_bytes(&L->out, (int)H) +
+                 ((size_t)s->conv * 8 + 3 * s->m_heads + 2 * s->d_inner + (size_t)s->d_inner * c->d_state) * f;
+        else if (L->kind == '*')
+            b += mat_bytes(&L->wq, (s->q + 2 * s->kv) * c->head_dim) + mat_bytes(&L->wo, (int)H) +
+                 2 * (size_t)r->ctx * s->kv * c->head_dim * f;
+        else
+            b += mat_bytes(&L->up, s->mlp) + mat_bytes(&L->down, (int)H);
+    }
+    b += T * H * f * 5 + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2 + T * (size_t)r->ctx * f;
+    b += (size_t)SH((Rank *)r)->logit_rows * (c->vocab + s->vocab) * f + (64u << 20);  /* + cuBLAS workspace */
+    return b;
+}
+
+static void gpu_init(Rank *r) {
+    const Config *c = r->c;
+    const Shard *s = &r->s;
+    const Weights *w = &r->w;
+    GpuShared *sh = SH(r);
+    GpuRank *g = (GpuRank *)calloc(1, sizeof(GpuRank));
+    if (!g) { fprintf(stderr, "nemoh: out of memory\n"); exit(1); }
+    r->st = g;
+    CUDA_CHECK(cudaSetDevice(r->gpu));
+    size_t H = c->hidden, T = r->t_max;
+    int hd = c->head_dim;
+    g->proj_w = s->in_proj > (s->q + 2 * s->kv) * hd ? s->in_proj : (s->q + 2 * s->kv) * hd;
+    if (s->mlp > g->proj_w) g->proj_w = s->mlp;
+    g->y_w = s->d_inner > s->q * hd ? s->d_inner : s->q * hd;
+    g->act_w = pad8((int)H > g->proj_w ? (int)H : g->proj_w);
+    g->splits = cdiv(r->ctx, SPLIT);
+
+    size_t free_b, total_b, need = bytes_needed(r, g);
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    if (need > free_b) {
+        fprintf(stderr, "nemoh: GPU %d: the model needs %.2f GB on this rank, %.2f GB are free (try a larger --tp, a "
+                        "smaller -c, or --cpu)\n", r->gpu, need / 1e9, free_b / 1e9);
+        exit(1);
+    }
+
+    CUDA_CHECK(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking));
+    CUBLAS_CHECK(cublasCreate(&g->blas));
+    CUBLAS_CHECK(cublasSetStream(g->blas, g->stream));
+    CUBLAS_CHECK(cublasSetMathMode(g->blas, CUBLAS_DEFAULT_MATH));  /* fp32 products stay fp32: no TF32 */
+    CUDA_CHECK(cudaMalloc(&g->blas_ws, 32u << 20));
+    CUBLAS_CHECK(cublasSetWorkspace(g->blas, g->blas_ws, 32u << 20));
+
+    /* weights */
+    GMat emb = upload_mat(&w->embed, 1);
+    g->embed = (bf16 *)emb.w;
+    g->embed_bf = emb.bf;
+    if (emb.ld != emb.cols) {  /* the gather reads dense rows: re-pack */
+        fprintf(stderr, "nemoh: the CUDA backend needs hidden_size to be a multiple of 8\n");
+        exit(1);
+    }
+    g->lm_head = upload_mat(&w->lm_head, 1);
+    g->norm_f = upload_f32(w->norm_f, H);
+    for (int l = 0; l < c->n_layers; l++) {
+        const Layer *L = &w->layer[l];
+        GLayer *D = &g->L[l];
+        D->norm = upload_f32(L->norm, H);
+        if (L->kind == 'M') {
+            D->in_proj = upload_mat(L->in_proj, 5);
+            D->conv_w = upload_f32(L->conv_w, (size_t)s->conv * 4);
+            D->conv_b = upload_f32(L->conv_b, (size_t)s->conv);
+            D->A = upload_f32(L->A, (size_t)s->m_heads);
+            D->D = upload_f32(L->D, (size_t)s->m_heads);
+            D->dt_bias = upload_f32(L->dt_bias, (size_t)s->m_heads);
+            D->gnorm = upload_f32(L->gnorm, (size_t)s->d_inner);
+            D->out = upload_mat(&L->out, 1);
+            D->conv_st = zeros((size_t)s->conv * 3);
+            D->ssm = zeros((size_t)s->d_inner * c->d_state);
+        } else if (L->kind == '*') {
+            Mat qkv[3] = {L->wq, L->wk, L->wv};
+            D->qkv = upload_mat(qkv, 3);
+            D->o = upload_mat(&L->wo, 1);
+            D->k = zeros((size_t)r->ctx * s->kv * hd);
+            D->v = zeros((size_t)r->ctx * s->kv * hd);
+        } else {
+            D->up = upload_mat(&L->up, 1);
+            D->down = upload_mat(&L->down, 1);
+        }
+    }
+
+    /* buffers; pend in symmetric memory, registered as a window, when NCCL allows it */
+    size_t pend_bytes = 2 * T * H * sizeof(float);
+    ncclComm_t comm = sh->comm[s->rank];
+    g->pend_nccl = ncclMemAlloc((void **)&g->pend, pend_bytes) == ncclSuccess;
+    if (!g->pend_nccl) CUDA_CHECK(cudaMalloc(&g->pend, pend_bytes));
+    if (g->pend_nccl && ncclCommWindowRegister(comm, g->pend, pend_bytes, &g->win, NCCL_WIN_COLL_SYMMETRIC) != ncclSuccess)
+        g->win = NULL;
+    if (g->win) {
+        ncclDevCommRequirements req;
+        memset(&req, 0, sizeof req);  /* NCCL 2.28 has no initializer macro */
+        req.lsaBarrierCount = FUSED_BLOCKS;
+        if (ncclDevCommCreate(comm, &req, &g->dev) == ncclSuccess) {
+            g->devapi = g->dev.lsaSize == s->n;
+            if (!g->devapi) NCCL_CHECK(ncclDevCommDestroy(comm, &g->dev));
+        }
+    }
+    CUDA_CHECK(cudaMemset(g->pend, 0, pend_bytes));
+    if (!g->devapi && r->fuse && s->rank == 0)
+        fprintf(stderr, "nemoh: NCCL device API unavailable (no symmetric window or no load/store access between all "
+                        "GPUs): the fused all-reduce falls back to ncclAllReduce + add + RMSNorm\n");
+    g->res = zeros(T * H);
+    g->x = zeros(T * H);
+    g->red = zeros(T * H);
+    g->proj = zeros(T * g->proj_w);
+    g->xbc = zeros(T * (s->conv ? s->conv : 1));
+    g->y = zeros(T * g->y_w);
+    CUDA_CHECK(cudaMalloc(&g->act16, T * g->act_w * sizeof(bf16)));
+    g->scores = zeros(T * r->ctx);
+    g->part = zeros((size_t)(s->q ? s->q : 1) * g->splits * (hd + 2));
+    g->logits_local = zeros((size_t)sh->logit_rows * s->vocab);
+    g->logits = s->n > 1 ? zeros((size_t)sh->logit_rows * c->vocab) : g->logits_local;
+    CUDA_CHECK(cudaMallocHost(&g->host_logits, (size_t)sh->logit_rows * c->vocab * sizeof(float)));
+    g->probs = zeros((size_t)c->vocab);
+    CUDA_CHECK(cudaMalloc(&g->tok, T * sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&g->pos, sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&g->sampled, sizeof(int)));
+    CUDA_CHECK(cudaMallocHost(&g->host_io, (T + 2) * sizeof(int)));
+    CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+static void gpu_free(Rank *r) {
+    GpuRank *g = G(r);
+    const Config *c = r->c;
+    CUDA_CHECK(cudaSetDevice(r->gpu));
+    CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    if (g->captured) CUDA_CHECK(cudaGraphExecDestroy(g->graph));
+    ncclComm_t comm = SH(r)->comm[r->s.rank];
+    if (g->devapi) {
+        NCCL_CHECK(ncclDevCommDestroy(comm, &g->dev));
+    }
+    if (g->win) NCCL_CHECK(ncclCommWindowDeregister(comm, g->win));
+    if (g->pend_nccl) NCCL_CHECK(ncclMemFree(g->pend)); else CUDA_CHECK(cudaFree(g->pend));
+    for (int l = 0; l < c->n_layers; l++) {
+        GLayer *D = &g->L[l];
+        void *ptrs[] = {D->norm, D->in_proj.w, D->conv_w, D->conv_b, D->A, D->D, D->dt_bias, D->gnorm, D->out.w, D->qkv.w,
+                        D->o.w, D->up.w, D->down.w, D->conv_st, D->ssm, D->k, D->v};
+        for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
+    }
+    void *ptrs[] = {g->embed, g->lm_head.w, g->norm_f, g->res, g->x, g->red, g->proj, g->xbc, g->y, g->act16, g->scores,
+                    g->part, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
+                    r->s.n > 1 ? g->logits : NULL};
+    for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
+    CUDA_CHECK(cudaFreeHost(g->host_logits));
+    CUDA_CHECK(cudaFreeHost(g->host_io));
+    CUBLAS_CHECK(cublasDestroy(g->blas));
+    CUDA_CHECK(cudaStreamDestroy(g->stream));
+    free(g);
+    r->st = NULL;
+}
+
+extern "C" const Backend cuda_backend = {
+    "cuda", gpu_setup, gpu_teardown, gpu_init, gpu_free, gpu_replay, gpu_begin, gpu_end, gpu_embed, gpu_norm,
+    gpu_mamba, gpu_attention, gpu_mlp, gpu_allreduce, gpu_logits, gpu_sample, gpu_host_logits,
+};
+
+/* ------------------------------------------------------------------------------------------------
+ * Benchmarks: what the machine does (copy bandwidth, the fused all-reduce against NCCL's)
+ * ---------------------------------------------------------------------------------------------- */
+
+extern "C" const char *cuda_device_name(void) {
+    static cudaDeviceProp prop;
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    return prop.name;
+}
+
+extern "C" double cuda_copy_gbps(void) {
+    size_t bytes = 1ull << 30;
+    void *a, *b;
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaSetDevice(0));
+    CUDA_CHECK(cudaMalloc(&a, bytes));
+    CUDA_CHECK(cudaMalloc(&b, bytes));
+    CUDA_CHECK(cudaMemset(a, 1, bytes));
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    CUDA_CHECK(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));  /* warm-up */
+    CUDA_CHECK(cudaEventRecord(e0));
+    for (int i = 0; i < 10; i++) CUDA_CHECK(cudaMemcpyAsync(i & 1 ? a : b, i & 1 ? b : a, bytes, cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(cudaEventRecord(e1));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    CUDA_CHECK(cudaFree(a));
+    CUDA_CHECK(cudaFree(b));
+    CUDA_CHECK(cudaEventDestroy(e0));
+    CUDA_CHECK(cudaEventDestroy(e1));
+    return 2.0 * bytes * 10 / (ms * 1e-3) / 1e9;
+}
+
+extern "C" size_t cuda_used_bytes(Rank *r) {
+    size_t free_b, total_b;
+    CUDA_CHECK(cudaSetDevice(r->gpu));
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    return total_b - free_b;
+}
+
+extern "C" const char *cuda_fuse_path(Rank *r) {
+    if (!r->fuse) return "all-reduce at layer end (--no-fuse)";
+    if (r->s.n == 1 && G(r)->devapi) return "fused, NCCL device API (1 rank)";
+    return G(r)->devapi ? "fused, NCCL device API" : "fused, ncclAllReduce fallback";
+}
+
+/* One rank of --bench-allreduce: for T = 1, 2, 4 .. 2048 rows of `hidden`, the fused kernel and
+ * ncclAllReduce + add + RMSNorm, each checked against a host reference, then timed as ITERS calls
+ * captured in a CUDA graph (median of REPS replays). */
+typedef struct {
+    int rank, n, hidden;
+    ncclComm_t comm;
+    float fused_us[12], nccl_us[12];    /* per size, this rank's median */
+    int bad[12];                        /* per size, failed checks */
+} ArBench;
+
+enum { AR_SIZES = 12, AR_ITERS = 20, AR_REPS = 15 };
+
+static double host_check(const float *got_x, const float *got_res, const std::vector<float> &res0,
+                         const std::vector<float> &sum, const std::vector<float> &w, int T, int H, int calls, float eps,
+                         int *res_exact) {
+    double worst = 0;
+    *res_exact = 1;
+    for (int t = 0; t < T; t++) {
+        std::vector<float> r(H);
+        double ss = 0;
+        for (int i = 0; i < H; i++) {
+            float v = res0[(size_t)t * H + i];
+            for (int k = 0; k < calls; k++) v += sum[(size_t)t * H + i];   /* what the kernel does, call after call */
+            r[i] = v;
+            ss += (double)v * v;
+            if (v != got_res[(size_t)t * H + i]) *res_exact = 0;
+        }
+        double scale = 1.0 / sqrt(ss / H + eps);
+        for (int i = 0; i < H; i++) {
+            double ref = r[i] * scale * w[i], d = fabs(ref - got_x[(size_t)t * H + i]) / (fabs(ref) + 1e-3);
+            if (d > worst) worst = d;
+        }
+    }
+    return worst;
+}
+
+static void ar_rank(ArBench *b) {
+    int H = b->hidden, n = b->n, Tmax = 2048;
+    CUDA_CHECK(cudaSetDevice(b->rank));
+    cudaStream_t st;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    size_t slot = (size_t)Tmax * H, bytes = 2 * slot * sizeof(float);
+    float *pend, *res, *x, *red, *w;
+    ncclWindow_t win = NULL;
+    ncclDevComm dev;
+    int devapi = 0, pend_nccl = ncclMemAlloc((void **)&pend, bytes) == ncclSuccess;
+    if (!pend_nccl) CUDA_CHECK(cudaMalloc(&pend, bytes));
+    if (pend_nccl && ncclCommWindowRegister(b->comm, pend, bytes, &win, NCCL_WIN_COLL_SYMMETRIC) == ncclSuccess) {
+        ncclDevCommRequirements req;
+        memset(&req, 0, sizeof req);
+        req.lsaBarrierCount = FUSED_BLOCKS;
+        devapi = ncclDevCommCreate(b->comm, &req, &dev) == ncclSuccess && dev.lsaSize == n;
+    }
+    if (!devapi && b->rank == 0) fprintf(stderr, "nemoh: NCCL device API unavailable: timing the fallback twice\n");
+    CUDA_CHECK(cudaMalloc(&res, slot * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&x, slot * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&red, slot * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&w, H * sizeof(float)));
+    std::vector<float> hp((size_t)Tmax * H), hres((size_t)Tmax * H), hw(H), gx((size_t)Tmax * H), gres((size_t)Tmax * H);
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    for (int si = 0; si < AR_SIZES; si++) {
+        int T = 1 << si;
+        size_t cnt = (size_t)T * H;
+        /* fresh inputs: this rank's partial sums, and the residual and weight every rank shares */
+        for (size_t i = 0; i < cnt; i++) { hp[i] = 2 * coin(77 + b->rank * 1000 + si, i) - 1; hres[i] = 2 * coin(5 + si, i) - 1; }
+        for (int i = 0; i < H; i++) hw[i] = 0.5f + coin(9, i);
+        std::vector<float> sum(cnt, 0.0f);
+        for (int r = 0; r < n; r++)    /* the reference sum in rank order, as the kernel adds */
+            for (size_t i = 0; i < cnt; i++) sum[i] += 2 * coin(77 + r * 1000 + si, i) - 1;
+        CUDA_CHECK(cudaMemcpy(w, hw.data(), H * sizeof(float), cudaMemcpyHostToDevice));
+        for (int path = 0; path < 2; path++) {
+            float *times = path ? b->nccl_us : b->fused_us;
+            cudaGraph_t graph;
+            cudaGraphExec_t exec;
+            CUDA_CHECK(cudaMemcpy(pend, hp.data(), cnt * sizeof(float), cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(pend + slot, hp.data(), cnt * sizeof(float), cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(res, hres.data(), cnt * sizeof(float), cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+            for (int it = 0; it < AR_ITERS; it++) {
+                int s = it & 1;  /* alternate the two slots, as the layer loop does */
+                if (path == 0 && devapi) {
+                    fused_allreduce_norm_kernel<<<FUSED_BLOCKS, FUSED_THREADS, 0, st>>>(dev, win, s * slot * sizeof(float), x, res,
+                                                                                       w, T, H, 1e-5f);
+                } else {
+                    NCCL_CHECK(ncclAllReduce(pend + s * slot, red, cnt, ncclFloat, ncclSum, b->comm, st));
+                    rmsnorm_kernel<<<T, 256, 0, st>>>(x, res, red, w, H, 1e-5f);
+                }
+                LAUNCH_CHECK();
+            }
+            CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+            CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+            std::vector<float> ms(AR_REPS);
+            for (int rep = 0; rep < AR_REPS; rep++) {
+                CUDA_CHECK(cudaEventRecord(e0, st));
+                CUDA_CHECK(cudaGraphLaunch(exec, st));
+                CUDA_CHECK(cudaEventRecord(e1, st));
+                CUDA_CHECK(cudaEventSynchronize(e1));
+                CUDA_CHECK(cudaEventElapsedTime(&ms[rep], e0, e1));
+            }
+            std::sort(ms.begin(), ms.end());
+            times[si] = ms[AR_REPS / 2] * 1000.0f / AR_ITERS;
+            /* after AR_REPS replays of AR_ITERS calls: res must equal the host's call-by-call sum exactly,
+               x its RMSNorm within fp32 rounding */
+            CUDA_CHECK(cudaMemcpy(gx.data(), x, cnt * sizeof(float), cudaMemcpyDeviceToHost));
+            CUDA_CHECK(cudaMemcpy(gres.data(), res, cnt * sizeof(float), cudaMemcpyDeviceToHost));
+            int exact;
+            double err = host_check(gx.data(), gres.data(), hres, sum, hw, T, H, AR_REPS * AR_ITERS, 1e-5f, &exact);
+            if (err > 1e-4 || !exact) {
+                b->bad[si]++;
+                fprintf(stderr, "nemoh: rank %d: %s at %d tokens: residual %s, norm error %.2g\n", b->rank,
+                        path ? "ncclAllReduce + norm" : "fused kernel", T, exact ? "exact" : "WRONG", err);
+            }
+            CUDA_CHECK(cudaGraphExecDestroy(exec));
+            CUDA_CHECK(cudaGraphDestroy(graph));
+        }
+    }
+    if (devapi) NCCL_CHECK(ncclDevCommDestroy(b->comm, &dev));
+    if (win) NCCL_CHECK(ncclCommWindowDeregister(b->comm, win));
+    if (pend_nccl) NCCL_CHECK(ncclMemFree(pend)); else CUDA_CHECK(cudaFree(pend));
+    CUDA_CHECK(cudaFree(res));
+    CUDA_CHECK(cudaFree(x));
+    CUDA_CHECK(cudaFree(red));
+    CUDA_CHECK(cudaFree(w));
+    CUDA_CHECK(cudaEventDestroy(e0));
+    CUDA_CHECK(cudaEventDestroy(e1));
+    CUDA_CHECK(cudaStreamDestroy(st));
+}
+
+extern "C" int cuda_bench_allreduce(int n, int hidden) {
+    ncclComm_t comm[64];
+    int devs[64] = {0};
+    for (int i = 0; i < n; i++) devs[i] = i;
+    NCCL_CHECK(ncclCommInitAll(comm, n, devs));
+    std::vector<ArBench> b(n);
+    std::vector<std::thread> th;
+    for (int i = 0; i < n; i++) {
+        b[i] = ArBench{i, n, hidden, comm[i], {0}, {0}, {0}};
+        th.emplace_back(ar_rank, &b[i]);
+    }
+    int failed = 0;
+    for (int i = 0; i < n; i++) th[i].join();
+    printf("# --bench-allreduce: %d x %s, hidden %d, fp32; latency per call (max over ranks of the median of %d\n"
+           "# graph replays of %d calls); busbw = bytes * 2(n-1)/n / time, as nccl-tests reports it\n",
+           n, cuda_device_name(), hidden, AR_REPS, AR_ITERS);
+    printf("%8s %12s %12s %14s %9s %14s %14s %6s\n", "tokens", "bytes", "fused us", "allreduce+norm", "speedup",
+           "fused busbw", "nccl busbw", "check");
+    for (int si = 0; si < AR_SIZES; si++) {
+        float f = 0, c = 0;
+        int bad = 0;
+        for (int i = 0; i < n; i++) { f = fmaxf(f, b[i].fused_us[si]); c = fmaxf(c, b[i].nccl_us[si]); bad += b[i].bad[si]; }
+        failed += bad;
+        double bytes = (double)(1 << si) * hidden * 4, factor = n > 1 ? 2.0 * (n - 1) / n : 0;
+        printf("%8d %12.0f %12.2f %14.2f %8.2fx %11.1f GB/s %9.1f GB/s %6s\n", 1 << si, bytes, f, c, c / f,
+               bytes * factor / (f * 1e3), bytes * factor / (c * 1e3), bad ? "FAIL" : "ok");
+    }
+    for (int i = 0; i < n; i++) NCCL_CHECK(ncclCommDestroy(comm[i]));
+    return failed;
+}
