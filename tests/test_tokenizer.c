@@ -6,7 +6,8 @@
  *
  * For each "encode" case: the pre-tokenizer split of the text gives HF's pieces, encode(text)
  * gives HF's ids, decode(ids) gives what HF's decode gave ("decoded", or the text itself), and
- * streaming those ids one at a time writes the same bytes.
+ * streaming those ids one at a time writes the same bytes. A "hex" case gives the input as bytes
+ * that are not UTF-8 (and has no pieces).
  * For each "decode" case (many of them invalid UTF-8): decode and streaming give HF's text. A
  * stream must never split a character across writes: no write may end inside one. */
 #define NEMOH_NO_MAIN
@@ -16,8 +17,8 @@
  * callers can write `ok = fail(...)`. */
 static int fail(const char *name, int i, const char *what, const char *text) {
     printf("FAIL tokenizer %s case %d: %s (text \"", name, i, what);
-    for (int k = 0; text[k] && k < 60; k++)
-        printf((unsigned char)text[k] < 0x20 || text[k] == 0x7F ? "\\x%02X" : "%c", (unsigned char)text[k]);
+    const unsigned char *c = (const unsigned char *)text;
+    for (int k = 0; c[k] && k < 60; k++) printf(c[k] < 0x20 || c[k] == 0x7F ? "\\x%02X" : "%c", c[k]);
     printf("%s\")\n", strlen(text) > 60 ? "..." : "");
     return 0;
 }
@@ -97,19 +98,24 @@ int main(int argc, char **argv) {
 
     int i = 0, passed = 0, failed = 0;
     for (const Json *c = enc->child; c; c = c->next, i++) {
-        const Json *txt = json_get(c, "text"), *want = json_get(c, "decoded");
-        int nw, n, k = 0;
-        int *w = json_ids(json_get(c, "ids"), &nw), *ids = tok_encode(t, txt->str, (size_t)txt->len, &n);
-        int ok = check_split(name, i, t, txt, json_get(c, "pieces"));
+        const Json *txt = json_get(c, "text"), *hex = json_get(c, "hex"), *want = json_get(c, "decoded");
+        char *in = hex ? xmalloc((size_t)hex->len / 2 + 1) : (char *)txt->str;
+        size_t len = hex ? (size_t)hex->len / 2 : (size_t)txt->len;
+        for (size_t k = 0; hex && k < len; k++)   /* two hex digits a byte */
+            in[k] = (char)(hexval(hex->str[2 * k]) << 4 | hexval(hex->str[2 * k + 1]));
+        const char *shown = hex ? hex->str : txt->str;
+        int nw, n, k = 0, ok = hex ? 1 : check_split(name, i, t, txt, json_get(c, "pieces"));
+        int *w = json_ids(json_get(c, "ids"), &nw), *ids = tok_encode(t, in, len, &n);
         while (k < n && k < nw && ids[k] == w[k]) k++;
         if (k < n || k < nw) {
             char msg[160];
             snprintf(msg, sizeof msg, "ids differ from HF at %d of %d/%d: nemoh %d, HF %d", k, n, nw,
                      k < n ? ids[k] : -1, k < nw ? w[k] : -1);
-            ok = fail(name, i, msg, txt->str);
+            ok = fail(name, i, msg, shown);
         }
         ok &= check_decode(name, i, t, w, nw, want ? want : txt);
         passed += ok, failed += !ok;
+        if (hex) free(in);
         free(w);
         free(ids);
     }

@@ -3,10 +3,12 @@
 // tokenizers@0.23.2, the Rust core of Python tokenizers 0.23) and writes what it answers:
 //
 //   tests/fixtures/tokenizer/<name>.expected.json for <name> in tekken, gpt2, edge:
-//     "encode": [{"text", "pieces", "ids", "decoded"?}]  pieces = the byte lengths of the
+//     "encode": [{"text" | "hex", "pieces"?, "ids", "decoded"?}]  pieces = the byte lengths of the
 //               pre-tokenizer's split of the whole text (its regex alone, no added tokens);
 //               ids = encode(text) with the post-processor's special tokens; "decoded" =
-//               decode(ids, skip_special_tokens=false) where that is not the text itself
+//               decode(ids, skip_special_tokens=false) where that is not the text itself. A
+//               "hex" case is input that is not UTF-8: HF takes strings, so its ids are those of
+//               the text a lossy UTF-8 decoding gives (Node's and Rust's replace alike)
 //     "decode": [{"ids", "text"}]  decode(ids) of byte-token and random id sequences, many of
 //               them invalid UTF-8 (HF shows those as U+FFFD)
 //
@@ -56,6 +58,11 @@ const ATOMS = [' ', ' ', ' ', '\t', '\n', '\r', '\r\n', '\u000b', '\u00a0', '\u3
   '!', '-', '_', '"', '<', '>', '|', '😀', '👍🏽', '\u200d', '\u200b', '\ufeff', '\u001c', '\u001f',
   '<s>', '</s>', '<unk>', '<SPECIAL_7>', '<SPECIAL_', '<|endoftext|>', '<|endoftext', 'the', 'The', 'THE',
   '<bos>', 'text|>', 'ab', 'bcd', '\u0120hi'];
+
+// Input bytes that are not UTF-8: stray continuation bytes, truncated and overlong sequences,
+// surrogates, bytes that never occur.
+const INVALID_UTF8 = ['ff', '80', '41ff42', 'e282', 'e28241', 'c0af', 'eda080', 'f4908080', 'f09f98',
+  '20f09f9820', 'c3', '68c3a9c3', '3c73e23e', '2780737472', 'e0808061', 'fe20ff', 'cf80cf'];
 
 function generated() {
   const cases = [''];
@@ -127,6 +134,10 @@ async function run(name) {
     const ids = (await tok.encode(text, null, { addSpecialTokens: true })).getIds();
     const decoded = await tok.decode(ids, false);
     out.push(JSON.stringify(decoded === text ? { text, pieces, ids } : { text, pieces, ids, decoded }));
+  }
+  for (const hex of INVALID_UTF8) {
+    const ids = (await tok.encode(Buffer.from(hex, 'hex').toString('utf8'))).getIds();
+    out.push(JSON.stringify({ hex, ids, decoded: await tok.decode(ids, false) }));
   }
   const dec = [];
   for (const ids of decodeSequences(tok, tok.getVocabSize(true)))
