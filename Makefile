@@ -19,14 +19,19 @@ nemoh: nemoh.c nemoh.h nemoh_cuda.o Makefile
 	$(CC) -std=c11 $(CFLAGS) $(OPENMP) -DNEMOH_CUDA nemoh.c nemoh_cuda.o -o $@ -L$(CUDA_HOME)/lib64 \
 	    -Wl,-rpath,$(dir $(NCCL_LIB)) $(NCCL_LIB) -lcublas -lcudart -lstdc++ $(LDLIBS)
 
+NVFLAGS = -std=c++17 -O3 $(CUDA_ARCH) -DNEMOH_CUDA -I$(NCCL_HOME)/include -Xcompiler -Wall
 nemoh_cuda.o: nemoh.cu nemoh.h Makefile
-	$(NVCC) -std=c++17 -O3 $(CUDA_ARCH) -DNEMOH_CUDA -I$(NCCL_HOME)/include -Xcompiler -Wall -c nemoh.cu -o $@
+	$(NVCC) $(NVFLAGS) -c nemoh.cu -o $@
+
+# the kernels one by one against float64 host references (test.sh runs it where a GPU exists)
+tests/test_kernels: tests/test_kernels.cu nemoh.cu nemoh.h Makefile
+	$(NVCC) $(NVFLAGS) tests/test_kernels.cu -o $@ -Xlinker -rpath,$(dir $(NCCL_LIB)) $(NCCL_LIB) -lcublas
 else
 nemoh: nemoh.c nemoh.h Makefile
 	$(CC) -std=c11 $(CFLAGS) $(OPENMP) nemoh.c -o $@ $(LDLIBS)
 endif
 
 clean:
-	rm -f nemoh *.o
+	rm -f nemoh *.o tests/test_kernels
 
 .PHONY: clean

@@ -891,6 +891,7 @@ enum {                          /* sets of classes, as the regexes name them */
  * 0, in no set, past the end. */
 static int cls_at(const unsigned char *s, size_t n, size_t i, int *len) {
     unsigned cp;
+    *len = 0;
     if (i >= n) return 0;
     *len = utf8_check(s + i, n - i, &cp);
     return 1 << uclass(cp);
@@ -2069,6 +2070,7 @@ typedef struct {
     FILE *dump;                 /* --dump-logits file, or NULL */
     int trace;                  /* --trace */
     int quiet;                  /* print nothing (--bench) */
+    const Tokenizer *tok;       /* stream generated text through it; NULL: print token ids */
 } GenOpts;
 
 typedef struct {
@@ -2090,6 +2092,7 @@ static void dump_rows(Engine *e, FILE *f, int rows) {
 static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOpts *o) {
     int t_max = e->rank[0].t_max, ctx = e->rank[0].ctx, pos = 0;
     GenStats st = {0, 0, 0};
+    TokStream ts = {0};
     double t0 = now_s();
     while (pos < n_prompt) {
         int T = n_prompt - pos < t_max ? n_prompt - pos : t_max;
@@ -2100,16 +2103,19 @@ static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOp
     for (int i = 0; i < o->n; i++) {
         int next = engine_sample(e, o->temp, o->topp, o->seed, (uint64_t)pos);
         if (i == 0) st.prefill_s = now_s() - t0;  /* includes the first token's sampling */
-        if (!o->quiet) {
+        int eos = is_eos(&e->c, next);
+        if (!o->quiet && o->tok && !eos) tok_stream_put(o->tok, &ts, next, stdout);  /* flushes whole characters */
+        if (!o->quiet && !o->tok) {
             printf("%s%d", st.made ? " " : "", next);
             fflush(stdout);
         }
         st.made++;
-        if (is_eos(&e->c, next) || i == o->n - 1 || pos == ctx) break;
+        if (eos || i == o->n - 1 || pos == ctx) break;
         for (int k = 0; k < e->n; k++) e->rank[k].trace = o->trace && i == 0;
         engine_forward(e, &next, 1, pos++, 0);
         if (o->dump) dump_rows(e, o->dump, 1);
     }
+    if (!o->quiet && o->tok) tok_stream_end(o->tok, &ts, stdout);
     if (!o->quiet) printf("\n");
     if (!st.made) st.prefill_s = now_s() - t0;
     st.decode_s = now_s() - t0 - st.prefill_s;
@@ -2158,10 +2164,10 @@ static void bench(Engine *e, const char *model, int P, int n, int gpu) {
     if (P < 1 || P + n > r->ctx) die("--bench: -P %d plus -n %d tokens exceed the context of %d (-c)", P, n, r->ctx);
     int *prompt = xmalloc((size_t)P * sizeof(int));
     for (int i = 0; i < P; i++) prompt[i] = 3 + (int)(coin(99, (uint64_t)i) * (e->c.vocab - 3));
-    GenOpts o = {n, 0, 1, 0, NULL, 0, 1};
+    GenOpts o = {n, 0, 1, 0, NULL, 0, 1, NULL};
     /* warm-up: libraries load and the decode graph is captured here, not in the timed run (the state
        it leaves behind changes the numbers, not the work) */
-    generate(e, prompt, P < 16 ? P : 16, &(GenOpts){4, 0, 1, 0, NULL, 0, 1});
+    generate(e, prompt, P < 16 ? P : 16, &(GenOpts){4, 0, 1, 0, NULL, 0, 1, NULL});
     GenStats st = generate(e, prompt, P, &o);
     double copy = gpu ? 0 : host_copy_gbps(), ms = st.made > 1 ? st.decode_s * 1e3 / (st.made - 1) : 0;
     double bytes = decode_bytes(r, P + st.made / 2, gpu), gbps = ms > 0 ? bytes / (ms * 1e-3) / 1e9 : 0;
@@ -2195,7 +2201,11 @@ static void usage(void) {
           "  -s SEED            sampling seed (default: from the clock, printed on stderr)\n"
           "  -c CTX             context length (default: the config's max_position_embeddings)\n"
           "  --cpu              run on the CPU even when a GPU is present\n"
-          "  --ids \"1 2 3\"      the prompt as token ids (spaces or commas); prints generated ids\n"
+          "  -f FILE            read the prompt from FILE\n"
+          "  --tokenizer FILE   tokenizer.json to use (default: DIR/tokenizer.json)\n"
+          "  --encode           print the prompt's token ids as the model receives them, and exit\n"
+          "  --ids \"1 2 3\"      the prompt as token ids (spaces or commas)\n"
+          "  --print-ids        print generated token ids instead of text (the default without a tokenizer)\n"
           "  --dump-logits FILE float32 logits, one row of vocab_size per forward position\n"
           "  --tp N|all         tensor-parallel ranks (default 1; all: every visible GPU)\n"
           "  --no-fuse          all-reduce at each layer's end instead of fused into the next norm\n"
@@ -2259,9 +2269,10 @@ static void check_tp(const Config *c, int n) {
 #ifndef NEMOH_NO_MAIN
 int main(int argc, char **argv) {
     const char *dir = "weights", *ids_arg = NULL, *prompt = NULL, *dump_path = NULL, *preset = NULL, *tp_arg = "1";
+    const char *tok_path = NULL, *prompt_file = NULL;
     int ctx = 0, use_cpu = 0, have_seed = 0, fuse = 1, graph = 1, chunk = 0, do_bench = 0, bench_ar = 0, P = 512;
-    int hidden = 4096, n_set = 0;
-    GenOpts o = {256, 0.8f, 0.95f, 0, NULL, 0, 0};
+    int hidden = 4096, n_set = 0, encode = 0, print_ids = 0;
+    GenOpts o = {256, 0.8f, 0.95f, 0, NULL, 0, 0, NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int more = i + 1 < argc;
@@ -2275,6 +2286,10 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-c")) ctx = arg_int(a, VALUE(), 1, 1 << 24);
         else if (!strcmp(a, "--cpu")) use_cpu = 1;
         else if (!strcmp(a, "--ids")) ids_arg = VALUE();
+        else if (!strcmp(a, "-f")) prompt_file = VALUE();
+        else if (!strcmp(a, "--tokenizer")) tok_path = VALUE();
+        else if (!strcmp(a, "--encode")) encode = 1;
+        else if (!strcmp(a, "--print-ids")) print_ids = 1;
         else if (!strcmp(a, "--dump-logits")) dump_path = VALUE();
         else if (!strcmp(a, "--random")) preset = VALUE();
         else if (!strcmp(a, "--tp")) tp_arg = VALUE();
@@ -2306,6 +2321,46 @@ int main(int argc, char **argv) {
 #endif
     }
 
+    if ((prompt != NULL) + (prompt_file != NULL) + (ids_arg != NULL) > 1) die("give one prompt: text, -f FILE or --ids");
+
+    /* the tokenizer: --tokenizer FILE, else the model directory's tokenizer.json when there is one */
+    char tpath[4096];
+    int need_tok = encode || ((prompt || prompt_file || !ids_arg) && !do_bench);
+    if (!tok_path && !preset) {
+        snprintf(tpath, sizeof tpath, "%s/tokenizer.json", dir);
+        if (file_exists(tpath) || need_tok) tok_path = tpath;
+    }
+    if (need_tok && !tok_path) die("a text prompt needs a tokenizer: give --tokenizer FILE, or --ids");
+    Tokenizer *tok = tok_path ? tok_load(tok_path) : NULL;
+    int n_prompt = 0, *tokens = NULL;
+    const char *prompt_text = "";
+    char *file_text = NULL;
+    if (ids_arg) {
+        tokens = parse_ids(ids_arg, &n_prompt);
+    } else if (!do_bench) {
+        size_t len = prompt ? strlen(prompt) : 0;
+        file_text = prompt_file ? read_file(prompt_file, &len) : NULL;
+        if (prompt_file && !file_text) die("-f %s: cannot open", prompt_file);
+        prompt_text = file_text ? file_text : prompt ? prompt : "";
+        tokens = tok_encode(tok, prompt_text, len, &n_prompt);
+    }
+    if (encode) {
+        for (int i = 0; i < n_prompt; i++) printf("%s%d", i ? " " : "", tokens[i]);
+        printf("\n");
+        free(tokens);
+        free(file_text);
+        tok_free(tok);
+        return 0;
+    }
+    o.tok = print_ids ? NULL : tok;
+    if (o.tok && !do_bench) {  /* the prompt first (ids as the tokenizer decodes them), then the continuation */
+        size_t len = 0;
+        char *text = ids_arg ? tok_decode(tok, tokens, n_prompt, &len) : NULL;
+        if (text) fwrite(text, 1, len, stdout);
+        else fputs(prompt_text, stdout);
+        free(text);
+    }
+
     double t0 = now_s();
     Engine e = {0};
     if (preset) {
@@ -2317,11 +2372,9 @@ int main(int argc, char **argv) {
     }
     if (ctx == 0) ctx = e.c.ctx;
     check_tp(&e.c, tp);
-    int n_prompt = 0, *tokens = NULL;
-    if (ids_arg) tokens = parse_ids(ids_arg, &n_prompt);
-    else if (!do_bench) die("a text prompt needs a tokenizer; use --ids");
-    (void)prompt;
-    if (!do_bench && n_prompt == 0) die("the prompt is empty");
+    if (tok && tok_vocab_size(tok) > e.c.vocab)
+        die("%s: %d tokens, more than the model's vocab_size %d", tok_path, tok_vocab_size(tok), e.c.vocab);
+    if (!do_bench && n_prompt == 0) die("the prompt is empty (and the tokenizer adds no BOS)");
     for (int i = 0; i < n_prompt; i++)
         if (tokens[i] >= e.c.vocab) die("--ids: token id %d is outside the vocabulary (vocab_size %d)", tokens[i], e.c.vocab);
     if (n_prompt > ctx) die("the prompt has %d tokens, more than the context of %d (-c)", n_prompt, ctx);
@@ -2350,6 +2403,8 @@ int main(int argc, char **argv) {
     free_engine(&e);
     free_checkpoint(&e.ck);
     free(tokens);
+    free(file_text);
+    tok_free(tok);
     return 0;
 }
 #endif

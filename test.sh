@@ -39,18 +39,18 @@ fixture_check() {
 }
 for d in tests/fixtures/tiny-*; do
     f=$(basename "$d")
-    fixture_check ./nemoh "$d" "cpu $f"
+    fixture_check ./nemoh "$d" "cpu $f" --cpu
     fixture_check "$ASAN" "$d" "asan $f"
 done
 check "default model: held-out logits within 1e-4 of HF" sh -c \
-    "./nemoh -m weights --ids \"\$(cat tests/fixtures/default-ref/ids.txt)\" -n 1 -t 0 --dump-logits $T/def.bin >/dev/null 2>&1 &&
+    "./nemoh --cpu -m weights --ids \"\$(cat tests/fixtures/default-ref/ids.txt)\" -n 1 -t 0 --dump-logits $T/def.bin >/dev/null 2>&1 &&
      $T/compare_logits $T/def.bin tests/fixtures/default-ref/ref_logits.bin 1e-4"
 
 # ---- sampling ----
 d=tests/fixtures/tiny-bf16
-s1=$(./nemoh -m $d --ids "$(cat $d/prompt.txt)" -n 40 -t 1.0 -p 0.9 -s 7 2>/dev/null)
-s2=$(./nemoh -m $d --ids "$(cat $d/prompt.txt)" -n 40 -t 1.0 -p 0.9 -s 7 2>/dev/null)
-s3=$(./nemoh -m $d --ids "$(cat $d/prompt.txt)" -n 40 -t 1.0 -p 0.9 -s 8 2>/dev/null)
+s1=$(./nemoh --cpu -m $d --ids "$(cat $d/prompt.txt)" -n 40 -t 1.0 -p 0.9 -s 7 2>/dev/null)
+s2=$(./nemoh --cpu -m $d --ids "$(cat $d/prompt.txt)" -n 40 -t 1.0 -p 0.9 -s 7 2>/dev/null)
+s3=$(./nemoh --cpu -m $d --ids "$(cat $d/prompt.txt)" -n 40 -t 1.0 -p 0.9 -s 8 2>/dev/null)
 [ -n "$s1" ] && [ "$s1" = "$s2" ] && pass "seeded sampling repeats exactly" || fail "seeded sampling repeats exactly" "$s1"$'\n'"$s2"
 [ "$s1" != "$s3" ] && pass "another seed samples another continuation" || fail "another seed samples another continuation"
 [ "$s1" != "$(cat $d/greedy.txt)" ] && pass "temperature 1 does not decode greedily" || fail "temperature 1 does not decode greedily"
@@ -58,13 +58,13 @@ s3=$(./nemoh -m $d --ids "$(cat $d/prompt.txt)" -n 40 -t 1.0 -p 0.9 -s 8 2>/dev/
 # ---- tensor parallelism on the CPU: ranks as threads, host all-reduce ----
 for d in tests/fixtures/tiny-*; do
     f=$(basename "$d")
-    fixture_run ./nemoh "$d" "$T/$f-tp1.bin" --tp 1 >/dev/null
+    fixture_run ./nemoh "$d" "$T/$f-tp1.bin" --cpu --tp 1 >/dev/null
     for n in 2 4; do
-        if ./nemoh -m "$d" --ids 1 -n 1 --tp $n >/dev/null 2>&1; then
-            got=$(fixture_run ./nemoh "$d" "$T/$f-tp$n.bin" --tp $n)
+        if ./nemoh --cpu -m "$d" --ids 1 -n 1 --tp $n >/dev/null 2>&1; then
+            got=$(fixture_run ./nemoh "$d" "$T/$f-tp$n.bin" --cpu --tp $n)
             [ "$got" = "$(cat "$d/greedy.txt")" ] && pass "$f --tp $n: greedy tokens identical" || fail "$f --tp $n: greedy tokens identical" "$got"
             check "$f --tp $n: logits within 1e-5 of --tp 1" "$T/compare_logits" "$T/$f-tp$n.bin" "$T/$f-tp1.bin" 1e-5
-            fixture_run ./nemoh "$d" "$T/$f-nf$n.bin" --tp $n --no-fuse >/dev/null
+            fixture_run ./nemoh "$d" "$T/$f-nf$n.bin" --cpu --tp $n --no-fuse >/dev/null
             check "$f --tp $n --no-fuse: logits equal to fused" "$T/compare_logits" "$T/$f-nf$n.bin" "$T/$f-tp$n.bin" 0
         fi
     done
@@ -98,5 +98,67 @@ for bin in ./nemoh "$ASAN"; do
     refuse "$tag bad input: --tp that does not divide the model" "valid: 1 2" "$bin" -m tests/fixtures/tiny-bf16 --ids 1 --tp 3
     refuse "$tag bad input: unwritable --dump-logits" "--dump-logits" "$bin" -m tests/fixtures/tiny-bf16 --ids 1 --dump-logits /nonexistent/x.bin
 done
+
+# ---- tokenizer: HF tokenizers' own ids on the committed corpora, refusals, the CLI ----
+out=$(bash tests/tokenizer.sh 2>&1)
+last=$(printf '%s\n' "$out" | tail -1)
+if [[ $last =~ ^([0-9]+)\ passed,\ ([0-9]+)\ failed$ ]] && [ "${BASH_REMATCH[2]}" -eq 0 ]; then
+    pass "tokenizer: tests/tokenizer.sh ($last, plain and under ASan/UBSan)"
+else
+    fail "tokenizer: tests/tokenizer.sh" "$(printf '%s\n' "$out" | grep -v '^ok' | tail -20)"
+fi
+got=$(./nemoh -m weights --encode -f tests/fixtures/default-ref/text.txt 2>&1 | cut -d' ' -f1-64)
+[ "$got" = "$(cat tests/fixtures/default-ref/ids.txt)" ] && pass "nemoh --encode -f: HF tokenizers' ids for the held-out text" \
+    || fail "nemoh --encode -f: HF tokenizers' ids for the held-out text" "$got"
+refuse "bad input: text prompt without a tokenizer" "needs a tokenizer" ./nemoh -m tests/fixtures/tiny-f32 "hello"
+refuse "bad input: missing -f file" "-f $T/none: cannot open" ./nemoh -f "$T/none"
+
+# ---- the default model: `./nemoh "Once upon a time"` prints English ----
+out=$(./nemoh "Once upon a time" -n 40 -s 3 2>/dev/null)
+words=$(printf '%s' "$out" | wc -w)
+[[ $out == "Once upon a time"* ]] && [ "$words" -ge 15 ] && pass "./nemoh \"Once upon a time\" prints a continuation ($words words)" \
+    || fail "./nemoh \"Once upon a time\" prints a continuation" "$out"
+
+# ---- --trace shows the protocol: a plain norm first, then every entry fused, one plain all-reduce ----
+tr=$(./nemoh -m tests/fixtures/tiny-f32 --ids "1 2 3" -n 2 --tp 2 --trace --cpu 2>&1 >/dev/null)
+nl=$(grep -c '^layer' <<< "$tr"); nf=$(grep -c 'fused all-reduce' <<< "$tr")
+[ "$nl" -eq 10 ] && [ "$nf" -eq 9 ] && grep -q '^final .*plain all-reduce' <<< "$tr" && pass "--trace: 10 layers, 9 fused entries, one final all-reduce" \
+    || fail "--trace: 10 layers, 9 fused entries, one final all-reduce" "$tr"
+
+# ---- GPU: kernels one by one, the fixtures end to end, graphs, prefill vs steps, the fused all-reduce ----
+if ! nvidia-smi -L >/dev/null 2>&1; then
+    echo "skipped: GPU tests (no NVIDIA GPU visible: nvidia-smi -L fails)"
+elif ! ./nemoh -m tests/fixtures/tiny-f32 --ids 1 -n 1 2>&1 >/dev/null | grep -q "backend cuda"; then
+    fail "GPU: nemoh picks the CUDA backend" "$(./nemoh -m tests/fixtures/tiny-f32 --ids 1 -n 1 2>&1)"
+else
+    if out=$(make -s tests/test_kernels 2>&1 && tests/test_kernels 2>&1); then pass "GPU kernels against float64 host references ($(tail -1 <<< "$out"))"
+    else fail "GPU kernels against float64 host references" "$(grep -v '^ok' <<< "$out" | tail -20)"; fi
+    for d in tests/fixtures/tiny-*; do
+        f=$(basename "$d")
+        # fp32 weights (f32, f16 fixtures) stay fp32 on the GPU; bf16 ones meet bf16 prompt activations
+        tol=$(grep -q '"torch_dtype": "bfloat16"' "$d/config.json" && echo 3e-2 || echo 2e-4)
+        got=$(fixture_run ./nemoh "$d" "$T/gpu-$f.bin")
+        [ "$got" = "$(cat "$d/greedy.txt")" ] && pass "GPU $f: greedy tokens identical to HF" || fail "GPU $f: greedy tokens identical to HF" "$got"
+        check "GPU $f: logits within $tol of HF" "$T/compare_logits" "$T/gpu-$f.bin" "$d/ref_logits.bin" "$tol"
+        fixture_run ./nemoh "$d" "$T/gpu-$f-steps.bin" --chunk 1 >/dev/null
+        check "GPU $f: prompt in one chunk = one token at a time (within $tol)" "$T/compare_logits" "$T/gpu-$f-steps.bin" "$T/gpu-$f.bin" "$tol"
+        fixture_run ./nemoh "$d" "$T/gpu-$f-eager.bin" --no-graph >/dev/null
+        check "GPU $f: CUDA-graph replay = eager steps (bitwise)" "$T/compare_logits" "$T/gpu-$f-eager.bin" "$T/gpu-$f.bin" 0
+        fixture_run ./nemoh "$d" "$T/gpu-$f-nofuse.bin" --no-fuse >/dev/null
+        check "GPU $f: --no-fuse = fused (within 1e-5)" "$T/compare_logits" "$T/gpu-$f-nofuse.bin" "$T/gpu-$f.bin" 1e-5
+        check "GPU $f: = CPU at TP 1 (within $tol)" "$T/compare_logits" "$T/gpu-$f.bin" "$T/$f-tp1.bin" "$tol"
+    done
+    check "GPU default model: held-out logits within 3e-2 of HF" sh -c \
+        "./nemoh -m weights --ids \"\$(cat tests/fixtures/default-ref/ids.txt)\" -n 1 -t 0 --dump-logits $T/gdef.bin >/dev/null 2>&1 &&
+         $T/compare_logits $T/gdef.bin tests/fixtures/default-ref/ref_logits.bin 3e-2"
+    g1=$(./nemoh -m tests/fixtures/tiny-bf16 --ids "$(cat tests/fixtures/tiny-bf16/prompt.txt)" -n 40 -t 1 -p 0.9 -s 7 2>/dev/null)
+    g2=$(./nemoh -m tests/fixtures/tiny-bf16 --ids "$(cat tests/fixtures/tiny-bf16/prompt.txt)" -n 40 -t 1 -p 0.9 -s 7 2>/dev/null)
+    [ -n "$g1" ] && [ "$g1" = "$g2" ] && pass "GPU seeded sampling repeats exactly" || fail "GPU seeded sampling repeats exactly" "$g1 / $g2"
+    for h in 1000 4096 8192; do
+        check "GPU --bench-allreduce --hidden $h: fused and NCCL paths match the host reference (1..2048 tokens, graph replays)" \
+            ./nemoh --bench-allreduce --hidden $h
+    done
+    refuse "GPU bad input: a model larger than the GPU" "free" ./nemoh --random nemotron-h-8b -c 16000000 --ids 1
+fi
 
 finish

@@ -177,8 +177,10 @@ print(f"reference: HF with dt clamped at 0.001 differs by {float((clamped - ref)
 json.dump({"text": text, "ids": ids, "rows": len(ids), "vocab": VOCAB, "tolerance": 1e-4},
           open(os.path.join(ref_dir, "ref.json"), "w"), indent=1)
 ref.numpy().astype("<f4").tofile(os.path.join(ref_dir, "ref_logits.bin"))
-with open(os.path.join(ref_dir, "ids.txt"), "w") as fh:  # a plain copy for test.sh
+with open(os.path.join(ref_dir, "ids.txt"), "w") as fh:  # plain copies for test.sh
     fh.write(" ".join(map(str, ids)) + "\n")
+with open(os.path.join(ref_dir, "text.txt"), "w") as fh:
+    fh.write(text)
 for prompt in ["Once upon a time", "The old man"]:
     x = torch.tensor([tok.encode(prompt).ids])
     with torch.no_grad():
