@@ -110,7 +110,7 @@ fi
 got=$(./nemoh -m weights --encode -f tests/fixtures/default-ref/text.txt 2>&1 | cut -d' ' -f1-64)
 [ "$got" = "$(cat tests/fixtures/default-ref/ids.txt)" ] && pass "nemoh --encode -f: HF tokenizers' ids for the held-out text" \
     || fail "nemoh --encode -f: HF tokenizers' ids for the held-out text" "$got"
-refuse "bad input: text prompt without a tokenizer" "needs a tokenizer" ./nemoh -m tests/fixtures/tiny-f32 "hello"
+refuse "bad input: text prompt without a tokenizer" "tokenizer.json: cannot open" ./nemoh -m tests/fixtures/tiny-f32 "hello"
 refuse "bad input: missing -f file" "-f $T/none: cannot open" ./nemoh -f "$T/none"
 
 # ---- the default model: `./nemoh "Once upon a time"` prints English ----
