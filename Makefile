@@ -10,14 +10,15 @@ NVCC ?= $(shell command -v nvcc 2>/dev/null)
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 # NCCL >= 2.28 for the device API. A pip-installed NCCL (nvidia-nccl-cu13, as PyTorch brings it) is
 # preferred: on machines whose system NCCL is older, ncclDevCommCreate fails there.
-NCCL_HOME ?= $(or $(shell python3 -c 'import nvidia.nccl as n, os; print(os.path.dirname(n.__file__))' 2>/dev/null),$(CUDA_HOME))
-NCCL_LIB := $(firstword $(wildcard $(NCCL_HOME)/lib/libnccl.so.2 $(NCCL_HOME)/lib64/libnccl.so.2))
+NCCL_HOME ?= $(or $(shell python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null),$(CUDA_HOME))
+NCCL_LIB := $(or $(firstword $(wildcard $(NCCL_HOME)/lib/libnccl.so.2 $(NCCL_HOME)/lib64/libnccl.so.2)),-lnccl)
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a
+, := ,
 
 ifneq ($(NVCC),)
 nemoh: nemoh.c nemoh.h nemoh_cuda.o Makefile
 	$(CC) -std=c11 $(CFLAGS) $(OPENMP) -DNEMOH_CUDA nemoh.c nemoh_cuda.o -o $@ -L$(CUDA_HOME)/lib64 \
-	    -Wl,-rpath,$(dir $(NCCL_LIB)) $(NCCL_LIB) -lcublas -lcudart -lstdc++ $(LDLIBS)
+	    $(if $(findstring /,$(NCCL_LIB)),-Wl$(,)-rpath$(,)$(dir $(NCCL_LIB))) $(NCCL_LIB) -lcublas -lcudart -lstdc++ $(LDLIBS)
 
 NVFLAGS = -std=c++17 -O3 $(CUDA_ARCH) -DNEMOH_CUDA -I$(NCCL_HOME)/include -Xcompiler -Wall
 nemoh_cuda.o: nemoh.cu nemoh.h Makefile
@@ -25,7 +26,7 @@ nemoh_cuda.o: nemoh.cu nemoh.h Makefile
 
 # the kernels one by one against float64 host references (test.sh runs it where a GPU exists)
 tests/test_kernels: tests/test_kernels.cu nemoh.cu nemoh.h Makefile
-	$(NVCC) $(NVFLAGS) tests/test_kernels.cu -o $@ -Xlinker -rpath,$(dir $(NCCL_LIB)) $(NCCL_LIB) -lcublas
+	$(NVCC) $(NVFLAGS) tests/test_kernels.cu -o $@ $(if $(findstring /,$(NCCL_LIB)),-Xlinker -rpath$(,)$(dir $(NCCL_LIB))) $(NCCL_LIB) -lcublas
 else
 nemoh: nemoh.c nemoh.h Makefile
 	$(CC) -std=c11 $(CFLAGS) $(OPENMP) nemoh.c -o $@ $(LDLIBS)
