@@ -26,7 +26,7 @@ nemoh_cuda.o: nemoh.cu nemoh.h Makefile
 
 # the kernels one by one against float64 host references (test.sh runs it where a GPU exists)
 tests/test_kernels: tests/test_kernels.cu nemoh.cu nemoh.h Makefile
-	$(NVCC) $(NVFLAGS) tests/test_kernels.cu -o $@ $(if $(findstring /,$(NCCL_LIB)),-Xlinker -rpath$(,)$(dir $(NCCL_LIB))) $(NCCL_LIB) -lcublas
+	$(NVCC) $(NVFLAGS) tests/test_kernels.cu -o $@ $(if $(findstring /,$(NCCL_LIB)),-Xlinker -rpath$(,)$(dir $(NCCL_LIB)) -Xlinker $(NCCL_LIB),-lnccl) -lcublas
 else
 nemoh: nemoh.c nemoh.h Makefile
 	$(CC) -std=c11 $(CFLAGS) $(OPENMP) nemoh.c -o $@ $(LDLIBS)

@@ -112,7 +112,7 @@ typedef struct {
     int capturing, captured;
 } GpuRank;
 
-enum { FUSED_BLOCKS = 128, FUSED_THREADS = 512, SPLIT = 256 };
+enum { FUSED_BLOCKS = 1024, FUSED_THREADS = 512, SPLIT = 256 };
 
 /* ------------------------------------------------------------------------------------------------
  * Kernels: embedding, norms, elementwise
@@ -167,7 +167,8 @@ __global__ void rmsnorm_kernel(float *x, float *res, const float *add, const flo
  * One LSA barrier at entry: every rank's partial sums (written by its previous kernels) are complete
  * and visible. There is no exit barrier: the next mixer writes the other pend slot, and a rank can
  * only come back to this slot after every peer has passed the next call's entry barrier, i.e. after
- * it finished reading here. The grid size is FUSED_BLOCKS on every rank (a rank-invariant shape). */
+ * it finished reading here. The grid, min(T, FUSED_BLOCKS) blocks, is the same on every rank (T is
+ * rank-invariant): ranks launching different grids would wait on each other's barriers forever. */
 __global__ void __launch_bounds__(FUSED_THREADS) fused_allreduce_norm_kernel(
         ncclDevComm dev, ncclWindow_t win, size_t offset, float *x, float *res, const float *w, int T, int H, float eps) {
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x);
@@ -265,22 +266,38 @@ __global__ void __launch_bounds__(256) gemv_kernel(float *out, const void *W, in
  * Kernels: Mamba2
  * ---------------------------------------------------------------------------------------------- */
 
-/* Causal depthwise conv1d (width 4) + SiLU over T steps, one thread per channel, the window in
- * registers: out[t] = silu(b + w0 in[t-3] + w1 in[t-2] + w2 in[t-1] + w3 in[t]); the state holds the
- * three inputs before the step and is left holding the last three. */
+/* Causal depthwise conv1d (width 4) + SiLU, one thread per (t, channel):
+ *   out[t] = silu(b + w0 in[t-3] + w1 in[t-2] + w2 in[t-1] + w3 in[t]),
+ * where in[-3..-1] are the three inputs before this step, kept in `state` (oldest first). A single
+ * step (decode) also shifts the state here; a longer one leaves that to conv_state_kernel. */
 __global__ void conv_kernel(float *out, const float *in, int ldi, float *state, const float *w, const float *b,
                             int T, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    if (c >= C) return;
+    float a = b[c];
+    for (int k = 0; k < 4; k++) {
+        int j = t - 3 + k;
+        a += w[c * 4 + k] * (j >= 0 ? in[(size_t)j * ldi + c] : state[c * 3 + 3 + j]);
+    }
+    out[(size_t)t * C + c] = a / (1.0f + __expf(-a));
+    if (T == 1) {
+        float s1 = state[c * 3 + 1], s2 = state[c * 3 + 2];
+        state[c * 3] = s1;
+        state[c * 3 + 1] = s2;
+        state[c * 3 + 2] = in[c];
+    }
+}
+
+/* After the step: the state keeps the last three inputs (from the state itself when T < 3). */
+__global__ void conv_state_kernel(float *state, const float *in, int ldi, int T, int C) {
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
-    float w0 = w[c * 4], w1 = w[c * 4 + 1], w2 = w[c * 4 + 2], w3 = w[c * 4 + 3], bias = b[c];
-    float s0 = state[c * 3], s1 = state[c * 3 + 1], s2 = state[c * 3 + 2];
-    for (int t = 0; t < T; t++) {
-        float v = in[(size_t)t * ldi + c];
-        float a = bias + w0 * s0 + w1 * s1 + w2 * s2 + w3 * v;
-        out[(size_t)t * C + c] = a / (1.0f + __expf(-a));
-        s0 = s1; s1 = s2; s2 = v;
+    float s[3];
+    for (int k = 0; k < 3; k++) {
+        int j = T - 3 + k;
+        s[k] = j >= 0 ? in[(size_t)j * ldi + c] : state[c * 3 + 3 + j];
     }
-    state[c * 3] = s0; state[c * 3 + 1] = s1; state[c * 3 + 2] = s2;
+    for (int k = 0; k < 3; k++) state[c * 3 + k] = s[k];
 }
 
 /* The selective scan over T steps, for one (head h, channel p) row of the state per group of LR
@@ -299,18 +316,30 @@ __global__ void __launch_bounds__(256) ssm_scan_kernel(
     float *st = ssm + (size_t)row * N + sub * E;
     for (int e = 0; e < E; e++) S[e] = live ? st[e] : 0.0f;
     float a = A[h], d = D[h], bias = dt_bias[h];
+    /* the inputs of step t+1 are loaded while step t computes: the loop runs at the rate of the
+       arithmetic, not of one memory round trip per step */
+    const float *xt = xbc, *B = xt + di + g * N + sub * E, *C = B + G * N;
+    float raw = proj[dt_off + h], xv = xt[h * P + p], nb[E], nc[E];
+    for (int e = 0; e < E; e++) { nb[e] = B[e]; nc[e] = C[e]; }
     for (int t = 0; t < T; t++) {
-        const float *xt = xbc + (size_t)t * cv;
-        float raw = proj[(size_t)t * ld_proj + dt_off + h] + bias;
-        float dt = raw > 20.0f ? raw : log1pf(__expf(raw));
-        float dA = __expf(dt * a), xv = xt[h * P + p], dx = dt * xv, part = 0;
-        const float *B = xt + di + g * N + sub * E, *C = B + G * N;
+        float b[E], cc[E], r = raw + bias, x = xv;
+        for (int e = 0; e < E; e++) { b[e] = nb[e]; cc[e] = nc[e]; }
+        if (t + 1 < T) {
+            xt = xbc + (size_t)(t + 1) * cv;
+            B = xt + di + g * N + sub * E;
+            C = B + G * N;
+            raw = proj[(size_t)(t + 1) * ld_proj + dt_off + h];
+            xv = xt[h * P + p];
+            for (int e = 0; e < E; e++) { nb[e] = B[e]; nc[e] = C[e]; }
+        }
+        float dt = r > 20.0f ? r : log1pf(__expf(r));
+        float dA = __expf(dt * a), dx = dt * x, part = 0;
         for (int e = 0; e < E; e++) {
-            S[e] = dA * S[e] + dx * B[e];
-            part += S[e] * C[e];
+            S[e] = dA * S[e] + dx * b[e];
+            part += S[e] * cc[e];
         }
         for (int o = LR / 2; o; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-        if (live && sub == 0) y[(size_t)t * di + h * P + p] = part + d * xv;
+        if (live && sub == 0) y[(size_t)t * di + h * P + p] = part + d * x;
     }
     if (live) for (int e = 0; e < E; e++) st[e] = S[e];
 }
@@ -590,8 +619,8 @@ static void gpu_norm(Rank *r, int l, int how, int T) {
     const float *w = l < c->n_layers ? g->L[l].norm : g->norm_f;
     if (how == NORM_FUSED && g->devapi) {
         size_t off = (size_t)g->slot * r->t_max * c->hidden * sizeof(float);
-        fused_allreduce_norm_kernel<<<FUSED_BLOCKS, FUSED_THREADS, 0, g->stream>>>(g->dev, g->win, off, g->x, g->res, w, T,
-                                                                                     c->hidden, c->eps);
+        fused_allreduce_norm_kernel<<<T < FUSED_BLOCKS ? T : FUSED_BLOCKS, FUSED_THREADS, 0, g->stream>>>(
+            g->dev, g->win, off, g->x, g->res, w, T, c->hidden, c->eps);
         LAUNCH_CHECK();
         g->slot ^= 1;
         return;
@@ -630,8 +659,12 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     const Shard *s = &r->s;
     int H = c->hidden, di = s->d_inner, cv = s->conv, in = s->in_proj, N = c->d_state;
     matmul(g, g->proj, in, g->x, H, T, &L->in_proj, EPI_NONE);
-    conv_kernel<<<cdiv(cv, 128), 128, 0, g->stream>>>(g->xbc, g->proj + di, in, L->conv_st, L->conv_w, L->conv_b, T, cv);
+    conv_kernel<<<dim3(cdiv(cv, 128), T), 128, 0, g->stream>>>(g->xbc, g->proj + di, in, L->conv_st, L->conv_w, L->conv_b, T, cv);
     LAUNCH_CHECK();
+    if (T > 1) {
+        conv_state_kernel<<<cdiv(cv, 128), 128, 0, g->stream>>>(L->conv_st, g->proj + di, in, T, cv);
+        LAUNCH_CHECK();
+    }
     int rows = s->m_heads * c->m_hdim;
     if (N <= 128) {
         int LR = N / 4;
@@ -1136,8 +1169,8 @@ static void ar_rank(ArBench *b) {
             for (int it = 0; it < AR_ITERS; it++) {
                 int s = it & 1;  /* alternate the two slots, as the layer loop does */
                 if (path == 0 && devapi) {
-                    fused_allreduce_norm_kernel<<<FUSED_BLOCKS, FUSED_THREADS, 0, st>>>(dev, win, s * slot * sizeof(float), x, res,
-                                                                                       w, T, H, 1e-5f);
+                    fused_allreduce_norm_kernel<<<T < FUSED_BLOCKS ? T : FUSED_BLOCKS, FUSED_THREADS, 0, st>>>(
+                        dev, win, s * slot * sizeof(float), x, res, w, T, H, 1e-5f);
                 } else {
                     NCCL_CHECK(ncclAllReduce(pend + s * slot, red, cnt, ncclFloat, ncclSum, b->comm, st));
                     rmsnorm_kernel<<<T, 256, 0, st>>>(x, res, red, w, H, 1e-5f);

@@ -136,7 +136,7 @@ else
     for d in tests/fixtures/tiny-*; do
         f=$(basename "$d")
         # fp32 weights (f32, f16 fixtures) stay fp32 on the GPU; bf16 ones meet bf16 prompt activations
-        tol=$(grep -q '"torch_dtype": "bfloat16"' "$d/config.json" && echo 3e-2 || echo 2e-4)
+        tol=$(grep -q '"torch_dtype": "bfloat16"' "$d/config.json" && echo 5e-2 || echo 2e-4)
         got=$(fixture_run ./nemoh "$d" "$T/gpu-$f.bin")
         [ "$got" = "$(cat "$d/greedy.txt")" ] && pass "GPU $f: greedy tokens identical to HF" || fail "GPU $f: greedy tokens identical to HF" "$got"
         check "GPU $f: logits within $tol of HF" "$T/compare_logits" "$T/gpu-$f.bin" "$d/ref_logits.bin" "$tol"
@@ -148,9 +148,9 @@ else
         check "GPU $f: --no-fuse = fused (within 1e-5)" "$T/compare_logits" "$T/gpu-$f-nofuse.bin" "$T/gpu-$f.bin" 1e-5
         check "GPU $f: = CPU at TP 1 (within $tol)" "$T/compare_logits" "$T/gpu-$f.bin" "$T/$f-tp1.bin" "$tol"
     done
-    check "GPU default model: held-out logits within 3e-2 of HF" sh -c \
+    check "GPU default model: held-out logits within 5e-2 of HF" sh -c \
         "./nemoh -m weights --ids \"\$(cat tests/fixtures/default-ref/ids.txt)\" -n 1 -t 0 --dump-logits $T/gdef.bin >/dev/null 2>&1 &&
-         $T/compare_logits $T/gdef.bin tests/fixtures/default-ref/ref_logits.bin 3e-2"
+         $T/compare_logits $T/gdef.bin tests/fixtures/default-ref/ref_logits.bin 5e-2"
     g1=$(./nemoh -m tests/fixtures/tiny-bf16 --ids "$(cat tests/fixtures/tiny-bf16/prompt.txt)" -n 40 -t 1 -p 0.9 -s 7 2>/dev/null)
     g2=$(./nemoh -m tests/fixtures/tiny-bf16 --ids "$(cat tests/fixtures/tiny-bf16/prompt.txt)" -n 40 -t 1 -p 0.9 -s 7 2>/dev/null)
     [ -n "$g1" ] && [ "$g1" = "$g2" ] && pass "GPU seeded sampling repeats exactly" || fail "GPU seeded sampling repeats exactly" "$g1 / $g2"

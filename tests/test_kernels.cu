@@ -1,0 +1,403 @@
+/* test_kernels: every CUDA kernel of nemoh.cu against a float64 host reference, on fresh random
+ * inputs (a new seed each run, printed) at sizes that are not multiples of 32, of 8 or of the
+ * attention split. Tolerances are relative to the largest reference value: fp32 arithmetic lands
+ * near 1e-6; products with bf16 operands are compared against a reference on the same rounded
+ * operands, so they too are fp32-accurate. Last line: "N passed, M failed". */
+#include "../nemoh.cu"
+
+#include <random>
+
+static int n_pass, n_fail;
+static std::mt19937_64 rng;
+
+static float uni() { return std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng); }
+static float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+static std::vector<float> rand_vec(size_t n, float scale = 1.0f) {
+    std::vector<float> v(n);
+    for (auto &x : v) x = uni() * scale;
+    return v;
+}
+
+static float *dev_copy(const std::vector<float> &h) {
+    float *d;
+    CUDA_CHECK(cudaMalloc(&d, (h.size() ? h.size() : 1) * sizeof(float)));
+    CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
+    return d;
+}
+
+static std::vector<float> host_copy(const float *d, size_t n) {
+    std::vector<float> h(n);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost));
+    return h;
+}
+
+/* max |got - ref| / max |ref|, NaN counting as a failure */
+static void expect(const char *what, const std::vector<float> &got, const std::vector<double> &ref, double tol) {
+    double worst = 0, scale = 1e-30;
+    for (double r : ref) scale = fmax(scale, fabs(r));
+    for (size_t i = 0; i < ref.size(); i++) {
+        double d = fabs(got[i] - ref[i]) / scale;
+        if (!(d <= worst)) worst = d;
+    }
+    int ok = got.size() >= ref.size() && worst <= tol;
+    printf("%-7s %-62s rel err %.2e (tol %.0e)\n", ok ? "ok" : "FAILED", what, worst, tol);
+    ok ? n_pass++ : n_fail++;
+}
+
+static void expect_int(const char *what, int got, int want) {
+    int ok = got == want;
+    printf("%-7s %-62s got %d, want %d\n", ok ? "ok" : "FAILED", what, got, want);
+    ok ? n_pass++ : n_fail++;
+}
+
+static GpuRank make_rank(size_t act) {
+    GpuRank g;
+    memset(&g, 0, sizeof g);
+    CUDA_CHECK(cudaStreamCreate(&g.stream));
+    CUBLAS_CHECK(cublasCreate(&g.blas));
+    CUBLAS_CHECK(cublasSetStream(g.blas, g.stream));
+    CUDA_CHECK(cudaMalloc(&g.act16, act * sizeof(bf16)));
+    return g;
+}
+
+/* ---- matrix products: GEMV (one token) and cuBLAS (a chunk), bf16 and fp32 weights, stacked uploads ---- */
+static void test_matmul(int bf, int rows, int cols, int T, int epi) {
+    /* two stacked parts, as in_proj's segments are uploaded, each a strided view of a wider tensor */
+    int r1 = rows / 3 + 1, r2 = rows - r1, ld = cols + 5;
+    std::vector<float> w = rand_vec((size_t)rows * ld, 1.0f / sqrtf((float)cols));
+    std::vector<uint16_t> wb(w.size());
+    for (size_t i = 0; i < w.size(); i++) {
+        __nv_bfloat16 b = __float2bfloat16(w[i]);
+        memcpy(&wb[i], &b, 2);
+        if (bf) w[i] = __bfloat162float(b);
+    }
+    const void *base = bf ? (const void *)wb.data() : (const void *)w.data();
+    size_t es = bf ? 2 : 4;
+    Mat parts[2] = {{base, bf ? DT_BF16 : DT_F32, r1, cols, (size_t)ld},
+                    {(const char *)base + (size_t)r1 * ld * es, bf ? DT_BF16 : DT_F32, r2, cols, (size_t)ld}};
+    GMat W = upload_mat(parts, 2);
+    std::vector<float> x = rand_vec((size_t)T * cols);
+    GpuRank g = make_rank((size_t)T * pad8(cols));
+    g.act_w = pad8(cols);
+    float *dx = dev_copy(x), *dout;
+    CUDA_CHECK(cudaMalloc(&dout, (size_t)T * rows * sizeof(float)));
+    matmul(&g, dout, rows, dx, cols, T, &W, epi);
+    std::vector<double> ref((size_t)T * rows);
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < rows; i++) {
+            double s = 0;
+            for (int k = 0; k < cols; k++) {
+                float xv = x[(size_t)t * cols + k];
+                if (bf && T > 1) xv = bf16_round(xv);  /* cuBLAS path: bf16 activations */
+                s += (double)w[(size_t)i * ld + k] * xv;
+            }
+            if (epi) s = s > 0 ? s * s : 0;
+            ref[(size_t)t * rows + i] = s;
+        }
+    char what[128];
+    snprintf(what, sizeof what, "%s %s %dx%d, %d token%s%s", T == 1 ? "gemv" : "cuBLAS", bf ? "bf16" : "fp32", rows, cols, T,
+             T > 1 ? "s" : "", epi ? ", relu^2" : "");
+    expect(what, host_copy(dout, ref.size()), ref, 2e-5);
+    CUDA_CHECK(cudaFree(W.w));
+    CUDA_CHECK(cudaFree(dx));
+    CUDA_CHECK(cudaFree(dout));
+    CUDA_CHECK(cudaFree(g.act16));
+    CUBLAS_CHECK(cublasDestroy(g.blas));
+    CUDA_CHECK(cudaStreamDestroy(g.stream));
+}
+
+/* ---- embedding gather, RMSNorm with and without the residual add ---- */
+static void test_norms(int H, int T) {
+    std::vector<float> res = rand_vec((size_t)T * H, 3.0f), add = rand_vec((size_t)T * H), w = rand_vec(H);
+    for (int with_add = 0; with_add < 2; with_add++) {
+        float *dres = dev_copy(res), *dadd = dev_copy(add), *dw = dev_copy(w), *dx = dev_copy(std::vector<float>((size_t)T * H));
+        rmsnorm_kernel<<<T, 256>>>(dx, dres, with_add ? dadd : NULL, dw, H, 1e-5f);
+        LAUNCH_CHECK();
+        std::vector<double> rx((size_t)T * H), rr((size_t)T * H);
+        for (int t = 0; t < T; t++) {
+            double ss = 0;
+            for (int i = 0; i < H; i++) {
+                size_t k = (size_t)t * H + i;
+                rr[k] = (double)res[k] + (with_add ? add[k] : 0);
+                ss += rr[k] * rr[k];
+            }
+            for (int i = 0; i < H; i++) rx[(size_t)t * H + i] = rr[(size_t)t * H + i] / sqrt(ss / H + 1e-5) * w[i];
+        }
+        char what[128];
+        snprintf(what, sizeof what, "rmsnorm%s H=%d T=%d: normed", with_add ? " + residual add" : "", H, T);
+        expect(what, host_copy(dx, rx.size()), rx, 1e-5);
+        snprintf(what, sizeof what, "rmsnorm%s H=%d T=%d: residual", with_add ? " + residual add" : "", H, T);
+        expect(what, host_copy(dres, rr.size()), rr, 1e-6);
+        for (float *p : {dres, dadd, dw, dx}) CUDA_CHECK(cudaFree(p));
+    }
+    int V = 37;
+    std::vector<float> table = rand_vec((size_t)V * H);
+    std::vector<int> tok(T);
+    for (auto &t : tok) t = (int)(rng() % V);
+    float *dt = dev_copy(table), *dres = dev_copy(std::vector<float>((size_t)T * H));
+    int *dtok;
+    CUDA_CHECK(cudaMalloc(&dtok, T * sizeof(int)));
+    CUDA_CHECK(cudaMemcpy(dtok, tok.data(), T * sizeof(int), cudaMemcpyHostToDevice));
+    embed_kernel<<<T, 256>>>(dres, dt, 0, dtok, H);
+    LAUNCH_CHECK();
+    std::vector<double> ref((size_t)T * H);
+    for (int t = 0; t < T; t++) for (int i = 0; i < H; i++) ref[(size_t)t * H + i] = table[(size_t)tok[t] * H + i];
+    expect("embedding gather", host_copy(dres, ref.size()), ref, 0);
+    CUDA_CHECK(cudaFree(dt));
+    CUDA_CHECK(cudaFree(dres));
+    CUDA_CHECK(cudaFree(dtok));
+}
+
+/* ---- Mamba2: conv + state, the selective scan + state, the gated group norm, over several calls ---- */
+static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
+    int di = H * P, cv = di + 2 * G * N, in = di + cv + H + 3;   /* proj rows: z | xBC | dt, then padding */
+    std::vector<float> cw = rand_vec((size_t)cv * 4, 0.5f), cb = rand_vec(cv, 0.2f), A(H), D = rand_vec(H), dtb(H),
+        gw = rand_vec(di);
+    for (int h = 0; h < H; h++) { A[h] = -(1.0f + 15.0f * (uni() + 1) / 2); dtb[h] = h % 3 ? -3.0f + uni() : -12.0f; }
+    std::vector<double> conv_st((size_t)cv * 3, 0.0), ssm((size_t)di * N, 0.0);
+    float *d_cw = dev_copy(cw), *d_cb = dev_copy(cb), *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb);
+    float *d_gw = dev_copy(gw), *d_cst = dev_copy(std::vector<float>((size_t)cv * 3)), *d_ssm = dev_copy(std::vector<float>((size_t)di * N));
+    int E = N <= 128 ? 4 : 8, LR = N / E;
+    for (int T : steps) {
+        std::vector<float> proj = rand_vec((size_t)T * in);
+        float *d_proj = dev_copy(proj), *d_xbc = dev_copy(std::vector<float>((size_t)T * cv)), *d_y = dev_copy(std::vector<float>((size_t)T * di));
+        conv_kernel<<<dim3(cdiv(cv, 128), T), 128>>>(d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv);
+        LAUNCH_CHECK();
+        if (T > 1) {
+            conv_state_kernel<<<cdiv(cv, 128), 128>>>(d_cst, d_proj + di, in, T, cv);
+            LAUNCH_CHECK();
+        }
+        if (E == 4) ssm_scan_kernel<4><<<cdiv((long)di * LR, 256), 256>>>(d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
+        else ssm_scan_kernel<8><<<cdiv((long)di * LR, 256), 256>>>(d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
+        LAUNCH_CHECK();
+        std::vector<float> y_scan = host_copy(d_y, (size_t)T * di);
+        gated_norm_kernel<<<T * G, 256>>>(d_y, d_proj, in, d_gw, di, di / G, 1e-5f);
+        LAUNCH_CHECK();
+        /* host, float64: the same steps as nemoh.c's cpu_mamba */
+        std::vector<double> xbc((size_t)T * cv), y((size_t)T * di), u((size_t)T * di);
+        for (int c = 0; c < cv; c++) {
+            std::vector<double> hist(3 + T);
+            for (int k = 0; k < 3; k++) hist[k] = conv_st[(size_t)c * 3 + k];
+            for (int t = 0; t < T; t++) hist[3 + t] = proj[(size_t)t * in + di + c];
+            for (int t = 0; t < T; t++) {
+                double a = cb[c];
+                for (int k = 0; k < 4; k++) a += cw[(size_t)c * 4 + k] * hist[t + k];
+                xbc[(size_t)t * cv + c] = a / (1 + exp(-a));
+            }
+            for (int k = 0; k < 3; k++) conv_st[(size_t)c * 3 + k] = hist[T + k];
+        }
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < H; h++) {
+                int g = h / (H / G);
+                double raw = proj[(size_t)t * in + di + cv + h] + dtb[h], dt = raw > 20 ? raw : log1p(exp(raw)), dA = exp(dt * A[h]);
+                for (int p = 0; p < P; p++) {
+                    double xv = xbc[(size_t)t * cv + h * P + p], acc = 0;
+                    for (int n = 0; n < N; n++) {
+                        double &S = ssm[((size_t)h * P + p) * N + n];
+                        S = dA * S + dt * xv * xbc[(size_t)t * cv + di + g * N + n];
+                        acc += S * xbc[(size_t)t * cv + di + G * N + g * N + n];
+                    }
+                    y[(size_t)t * di + h * P + p] = acc + D[h] * xv;
+                }
+            }
+        int gs = di / G;
+        for (int t = 0; t < T; t++)
+            for (int g = 0; g < G; g++) {
+                double ss = 0;
+                for (int i = 0; i < gs; i++) {
+                    size_t k = (size_t)t * di + g * gs + i;
+                    double z = proj[(size_t)t * in + g * gs + i];
+                    u[k] = y[k] * z / (1 + exp(-z));
+                    ss += u[k] * u[k];
+                }
+                for (int i = 0; i < gs; i++) u[(size_t)t * di + g * gs + i] *= gw[g * gs + i] / sqrt(ss / gs + 1e-5);
+            }
+        std::vector<double> st_ref(ssm.begin(), ssm.end()), cst_ref(conv_st.begin(), conv_st.end());
+        char what[128];
+        snprintf(what, sizeof what, "conv1d+SiLU heads %d x %d, G %d, N %d, %d step%s", H, P, G, N, T, T > 1 ? "s" : "");
+        expect(what, host_copy(d_xbc, xbc.size()), xbc, 2e-6);
+        snprintf(what, sizeof what, "conv1d state after those steps");
+        expect(what, host_copy(d_cst, cst_ref.size()), cst_ref, 0);
+        snprintf(what, sizeof what, "selective scan output (N %d, %d lanes/row)", N, LR);
+        expect(what, y_scan, y, 2e-5);
+        snprintf(what, sizeof what, "selective scan state after those steps");
+        expect(what, host_copy(d_ssm, st_ref.size()), st_ref, 2e-5);
+        snprintf(what, sizeof what, "gated group RMSNorm (%d groups of %d)", G, gs);
+        expect(what, host_copy(d_y, u.size()), u, 2e-5);
+        for (float *p : {d_proj, d_xbc, d_y}) CUDA_CHECK(cudaFree(p));
+    }
+    for (float *p : {d_cw, d_cb, d_A, d_D, d_dtb, d_gw, d_cst, d_ssm}) CUDA_CHECK(cudaFree(p));
+}
+
+/* ---- attention: append to the cache, decode split along the sequence, prefill softmax ---- */
+static void test_attention(int q, int kv, int hd, int pos) {
+    int group = q / kv, kw = kv * hd, w = q * hd + 2 * kw, ctx = pos + 8, splits = cdiv(ctx, SPLIT);
+    std::vector<float> kc = rand_vec((size_t)ctx * kw), vc = rand_vec((size_t)ctx * kw), qkv = rand_vec(w);
+    float *d_k = dev_copy(kc), *d_v = dev_copy(vc), *d_qkv = dev_copy(qkv), *d_y = dev_copy(std::vector<float>((size_t)q * hd));
+    float *d_part = dev_copy(std::vector<float>((size_t)q * splits * (hd + 2)));
+    int *d_pos;
+    CUDA_CHECK(cudaMalloc(&d_pos, sizeof(int)));
+    CUDA_CHECK(cudaMemcpy(d_pos, &pos, sizeof(int), cudaMemcpyHostToDevice));
+    float scale = 1.0f / sqrtf((float)hd);
+    kv_append_kernel<<<1, 256>>>(d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
+    LAUNCH_CHECK();
+    attn_decode_kernel<<<dim3(q, splits), 128>>>(d_part, d_qkv, d_k, d_v, d_pos, kw, hd, group, 0, 0, scale, splits);
+    LAUNCH_CHECK();
+    attn_combine_kernel<<<q, 128>>>(d_y, d_part, d_pos, hd, splits);
+    LAUNCH_CHECK();
+    for (int i = 0; i < kw; i++) { kc[(size_t)pos * kw + i] = qkv[q * hd + i]; vc[(size_t)pos * kw + i] = qkv[q * hd + kw + i]; }
+    std::vector<double> ref((size_t)q * hd);
+    for (int h = 0; h < q; h++) {
+        int g = h / group;
+        std::vector<double> s(pos + 1);
+        double m = -1e300, sum = 0;
+        for (int j = 0; j <= pos; j++) {
+            double d = 0;
+            for (int i = 0; i < hd; i++) d += (double)qkv[h * hd + i] * kc[(size_t)j * kw + g * hd + i];
+            s[j] = d * scale;
+            m = fmax(m, s[j]);
+        }
+        for (int j = 0; j <= pos; j++) sum += s[j] = exp(s[j] - m);
+        for (int i = 0; i < hd; i++) {
+            double a = 0;
+            for (int j = 0; j <= pos; j++) a += s[j] * vc[(size_t)j * kw + g * hd + i];
+            ref[(size_t)h * hd + i] = a / sum;
+        }
+    }
+    char what[128];
+    snprintf(what, sizeof what, "attention decode q %d / kv %d, head %d, position %d (%d splits)", q, kv, hd, pos, cdiv(pos + 1, SPLIT));
+    expect(what, host_copy(d_y, ref.size()), ref, 1e-5);
+    std::vector<double> kref(kc.begin(), kc.end());
+    expect("kv cache append", host_copy(d_k, kc.size()), kref, 0);
+    /* prefill softmax: rows t see keys 0..pos+t */
+    int T = 5, nk = pos + T;
+    std::vector<float> S = rand_vec((size_t)T * nk, 4.0f);
+    float *d_S = dev_copy(S);
+    softmax_causal_kernel<<<T, 256>>>(d_S, nk, d_pos);
+    LAUNCH_CHECK();
+    std::vector<double> sref((size_t)T * nk, 0.0);
+    for (int t = 0; t < T; t++) {
+        double m = -1e300, sum = 0;
+        for (int j = 0; j <= pos + t; j++) m = fmax(m, (double)S[(size_t)t * nk + j]);
+        for (int j = 0; j <= pos + t; j++) sum += exp(S[(size_t)t * nk + j] - m);
+        for (int j = 0; j <= pos + t; j++) sref[(size_t)t * nk + j] = exp(S[(size_t)t * nk + j] - m) / sum;
+    }
+    snprintf(what, sizeof what, "causal softmax, %d rows over %d keys", T, nk);
+    expect(what, host_copy(d_S, sref.size()), sref, 1e-6);
+    for (float *p : {d_k, d_v, d_qkv, d_y, d_part, d_S}) CUDA_CHECK(cudaFree(p));
+    CUDA_CHECK(cudaFree(d_pos));
+}
+
+/* ---- sampling: argmax (first of tied maxima), and the top-p draw against the host rule ---- */
+static int host_pick(const std::vector<float> &p, float topp, uint64_t seed, uint64_t step) {
+    double total = 0;
+    for (float v : p) total += v;
+    float lo = 0, hi = 1;
+    if (topp < 1)
+        for (int it = 0; it < 40; it++) {
+            float mid = 0.5f * (lo + hi);
+            double mass = 0;
+            for (float v : p) mass += v >= mid ? v : 0;
+            if (mass >= topp * total) lo = mid; else hi = mid;
+        }
+    double kept = 0;
+    for (float v : p) kept += v >= lo ? v : 0;
+    double target = coin(seed, step) * kept, cum = 0;
+    for (size_t i = 0; i < p.size(); i++) {
+        if (p[i] < lo) continue;
+        cum += p[i];
+        if (cum > target) return (int)i;
+    }
+    return -1;
+}
+
+static void test_sampling(int V) {
+    std::vector<float> l = rand_vec(V, 5.0f);
+    int a = (int)(rng() % V), b = (int)(rng() % V), lo = a < b ? a : b, hi = a < b ? b : a;
+    if (lo == hi) hi = (lo + 1) % V, lo = lo < hi ? lo : hi;
+    l[lo] = l[hi] = 9.0f;  /* two tied maxima: the first wins */
+    float *dl = dev_copy(l), *dp = dev_copy(std::vector<float>(V));
+    int *dout, got;
+    CUDA_CHECK(cudaMalloc(&dout, sizeof(int)));
+    sample_kernel<<<1, 1024>>>(dout, dl, dp, V, 0.0f, 1.0f, 1, 0);
+    LAUNCH_CHECK();
+    CUDA_CHECK(cudaMemcpy(&got, dout, sizeof(int), cudaMemcpyDeviceToHost));
+    char what[128];
+    snprintf(what, sizeof what, "greedy: argmax over %d logits, first of two tied maxima", V);
+    expect_int(what, got, lo);
+    int agree = 0, trials = 40;
+    double perr = 0;
+    for (int k = 0; k < trials; k++) {
+        float temp = 0.3f + 1.5f * (uni() + 1) / 2, topp = k % 4 == 0 ? 1.0f : 0.2f + 0.75f * (uni() + 1) / 2;
+        uint64_t seed = rng(), step = rng() % 1000;
+        sample_kernel<<<1, 1024>>>(dout, dl, dp, V, temp, topp, seed, step);
+        LAUNCH_CHECK();
+        CUDA_CHECK(cudaMemcpy(&got, dout, sizeof(int), cudaMemcpyDeviceToHost));
+        std::vector<float> p = host_copy(dp, V);
+        for (int i = 0; i < V; i++) perr = fmax(perr, fabs(p[i] - exp((l[i] - 9.0) / temp)));
+        agree += got == host_pick(p, topp, seed, step);
+    }
+    snprintf(what, sizeof what, "top-p draws over %d logits = the host rule (of %d)", V, trials);
+    expect_int(what, agree, trials);
+    std::vector<double> zero(1, 0.0);
+    printf("%-7s %-62s max abs err %.2e (tol 1e-6)\n", perr <= 1e-6 ? "ok" : "FAILED", "sampling probabilities exp((l - max) / temp)", perr);
+    perr <= 1e-6 ? n_pass++ : n_fail++;
+    CUDA_CHECK(cudaFree(dl));
+    CUDA_CHECK(cudaFree(dp));
+    CUDA_CHECK(cudaFree(dout));
+}
+
+/* Not a check: the bandwidth the one-token product reaches at the 8B model's in_proj shape. */
+static void time_gemv(int rows, int cols) {
+    Mat m = {NULL, DT_BF16, rows, cols, (size_t)cols};
+    GMat W = upload_mat(&m, 1);
+    GpuRank g = make_rank(8);
+    float *dx = dev_copy(rand_vec(cols)), *dout = dev_copy(std::vector<float>(rows));
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    for (int i = 0; i < 3; i++) matmul(&g, dout, rows, dx, cols, 1, &W, 0);
+    CUDA_CHECK(cudaEventRecord(e0, g.stream));
+    for (int i = 0; i < 50; i++) matmul(&g, dout, rows, dx, cols, 1, &W, 0);
+    CUDA_CHECK(cudaEventRecord(e1, g.stream));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    printf("# gemv bf16 %dx%d: %.1f us, %.0f GB/s of weights\n", rows, cols, ms * 1e3 / 50, 2.0 * rows * cols * 50 / (ms * 1e-3) / 1e9);
+    CUDA_CHECK(cudaFree(W.w));
+    CUDA_CHECK(cudaFree(dx));
+    CUDA_CHECK(cudaFree(dout));
+}
+
+int main(int argc, char **argv) {
+    uint64_t seed = argc > 1 ? strtoull(argv[1], NULL, 10) : std::random_device{}();
+    rng.seed(seed);
+    printf("# seed %llu (run with it as the argument to repeat)\n", (unsigned long long)seed);
+    for (int bf = 0; bf < 2; bf++) {
+        test_matmul(bf, 37, 1000, 1, 0);
+        test_matmul(bf, 300, 4099, 1, 0);
+        test_matmul(bf, 129, 60, 1, 1);
+        test_matmul(bf, 1, 8, 1, 0);
+        test_matmul(bf, 130, 1000, 7, 0);
+        test_matmul(bf, 77, 515, 130, 1);
+    }
+    test_norms(1000, 3);
+    test_norms(4099, 1);
+    test_mamba(6, 10, 2, 16, {5, 1, 37});
+    test_mamba(4, 6, 1, 8, {1, 2, 1});
+    test_mamba(8, 64, 4, 128, {3, 1});
+    test_mamba(4, 12, 2, 256, {20, 1});
+    test_attention(4, 2, 20, 0);
+    test_attention(6, 3, 8, 7);
+    test_attention(8, 2, 128, 300);
+    test_attention(4, 1, 64, 777);
+    test_sampling(1000);
+    test_sampling(131072);
+    time_gemv(18560, 4096);
+    time_gemv(4096, 21504);
+    time_gemv(131072, 4096);
+    printf("%d passed, %d failed\n", n_pass, n_fail);
+    return n_fail ? 1 : 0;
+}
