@@ -171,15 +171,16 @@ __global__ void rmsnorm_kernel(float *x, float *res, const float *add, const flo
  * rank-invariant): ranks launching different grids would wait on each other's barriers forever. */
 __global__ void __launch_bounds__(FUSED_THREADS) fused_allreduce_norm_kernel(
         ncclDevComm dev, ncclWindow_t win, size_t offset, float *x, float *res, const float *w, int T, int H, float eps) {
-    ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x);
-    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);
+    __shared__ const float *peer[64];   /* each rank's slot, as this GPU addresses it */
     int n = dev.lsaSize;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) peer[p] = (const float *)ncclGetLsaPointer(win, offset, p);
+    ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x);
+    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);   /* also orders the peer[] writes above */
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
         float *r = res + (size_t)t * H, ss = 0;
-        size_t off = offset + (size_t)t * H * sizeof(float);
         for (int i = threadIdx.x; i < H; i += blockDim.x) {
             float s = 0;
-            for (int p = 0; p < n; p++) s += ((const float *)ncclGetLsaPointer(win, off, p))[i];
+            for (int p = 0; p < n; p++) s += peer[p][(size_t)t * H + i];
             float v = r[i] + s;
             r[i] = v;
             ss += v * v;
@@ -236,27 +237,38 @@ __device__ __forceinline__ float dot16(uint4 w, const float *x, int bf) {
 
 enum { EPI_NONE, EPI_RELU2 };
 
-/* out[i] = epi(sum_k W[i][k] x[k]); one warp per row, four 16-byte loads in flight per lane.
- * x must be 16-byte aligned; W rows are (their stride ld is a multiple of 8 elements). */
+/* out[i] = epi(sum_k W[i][k] x[k]); wpr warps per row (1, 2, 4 or 8; more when there are few rows,
+ * so that every SM has loads in flight), four 16-byte loads in flight per lane. x must be 16-byte
+ * aligned; W rows are (their stride ld is a multiple of 8 elements). */
 template <int BF, int EPI>
-__global__ void __launch_bounds__(256) gemv_kernel(float *out, const void *W, int ld, const float *x, int rows, int cols) {
-    int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (row >= rows) return;
+__global__ void __launch_bounds__(256) gemv_kernel(float *out, const void *W, int ld, const float *x, int rows, int cols,
+                                                   int wpr) {
+    __shared__ float red[8];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr;
+    int row = blockIdx.x * (8 / wpr) + warp / wpr;
     const int per = BF ? 8 : 4;                         /* elements per 16 bytes */
-    const char *wrow = (const char *)W + (size_t)row * ld * (BF ? 2 : 4);
-    const uint4 *w = (const uint4 *)wrow;
-    int nvec = cols / per, c = lane;
     float acc = 0;
-    for (; c + 96 < nvec; c += 128) {
-        uint4 a = ld_stream(w + c), b = ld_stream(w + c + 32), d = ld_stream(w + c + 64), e = ld_stream(w + c + 96);
-        acc += dot16(a, x + c * per, BF) + dot16(b, x + (c + 32) * per, BF) + dot16(d, x + (c + 64) * per, BF) +
-               dot16(e, x + (c + 96) * per, BF);
+    if (row < rows) {
+        const char *wrow = (const char *)W + (size_t)row * ld * (BF ? 2 : 4);
+        const uint4 *w = (const uint4 *)wrow;
+        int nvec = cols / per, st = 32 * wpr, c = part * 32 + lane;
+        for (; c + 3 * st < nvec; c += 4 * st) {
+            uint4 a = ld_stream(w + c), b = ld_stream(w + c + st), d = ld_stream(w + c + 2 * st), e = ld_stream(w + c + 3 * st);
+            acc += dot16(a, x + c * per, BF) + dot16(b, x + (c + st) * per, BF) + dot16(d, x + (c + 2 * st) * per, BF) +
+                   dot16(e, x + (c + 3 * st) * per, BF);
+        }
+        for (; c < nvec; c += st) acc += dot16(ld_stream(w + c), x + c * per, BF);
+        for (int k = nvec * per + part * 32 + lane; k < cols; k += st)   /* the tail that is not a whole 16 bytes */
+            acc += (BF ? __bfloat162float(((const bf16 *)wrow)[k]) : ((const float *)wrow)[k]) * x[k];
+        acc = warp_sum(acc);
     }
-    for (; c < nvec; c += 32) acc += dot16(ld_stream(w + c), x + c * per, BF);
-    for (int k = nvec * per + lane; k < cols; k += 32)   /* the tail that is not a whole 16 bytes */
-        acc += (BF ? __bfloat162float(((const bf16 *)wrow)[k]) : ((const float *)wrow)[k]) * x[k];
-    acc = warp_sum(acc);
-    if (lane == 0) {
+    if (wpr > 1) {
+        if (lane == 0) red[warp] = acc;
+        __syncthreads();
+        if (part) return;
+        for (int k = 1; k < wpr; k++) acc += red[warp + k];
+    }
+    if (lane == 0 && row < rows) {
         if (EPI == EPI_RELU2) { acc = fmaxf(acc, 0.0f); acc *= acc; }
         out[row] = acc;
     }
@@ -300,48 +312,72 @@ __global__ void conv_state_kernel(float *state, const float *in, int ldi, int T,
     for (int k = 0; k < 3; k++) state[c * 3 + k] = s[k];
 }
 
-/* The selective scan over T steps, for one (head h, channel p) row of the state per group of LR
- * lanes, each lane holding E consecutive state entries (N = LR * E):
+/* The selective scan over T steps. A block works on rows (channels p) of one head h, a group of LR
+ * lanes per row, each lane holding E consecutive state entries (N = LR * E):
  *   dt = softplus(dt_raw + dt_bias[h]);  S = exp(dt A[h]) S + dt x[h,p] B[g];  y = S . C[g] + D[h] x[h,p]
- * with g = h / (heads per group). T = 1 is the decode step; the state stays in registers between steps. */
+ * with g = h / (heads per group). The state stays in registers across steps; the block stages the
+ * inputs of SCAN_STEPS steps (B and C of its group, x of its rows, dt and exp(dt A)) in shared
+ * memory with coalesced loads, so a step costs arithmetic, not a memory round trip. T = 1 is the
+ * decode step. blockDim = LR * rows per block, a multiple of 32. */
+enum { SCAN_STEPS = 16 };
+
 template <int E>
 __global__ void __launch_bounds__(256) ssm_scan_kernel(
         float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
         const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di) {
-    int LR = N / E, lane = threadIdx.x & 31, sub = lane % LR;
-    int row = (blockIdx.x * blockDim.x + threadIdx.x) / LR;     /* (h, p) */
-    bool live = row < H * P;
-    int h = live ? row / P : 0, p = row % P, g = h / (H / G), cv = di + 2 * G * N;
+    extern __shared__ float sm[];
+    int LR = N / E, rpb = blockDim.x / LR, r = threadIdx.x / LR, sub = threadIdx.x % LR;
+    int h = blockIdx.x, p = blockIdx.y * rpb + r, g = h / (H / G), cv = di + 2 * G * N;
+    bool live = p < P;
+    float *sBC = sm, *sx = sBC + SCAN_STEPS * 2 * N, *sdt = sx + SCAN_STEPS * rpb, *sdA = sdt + SCAN_STEPS;
     float S[E];
-    float *st = ssm + (size_t)row * N + sub * E;
+    float *st = ssm + ((size_t)h * P + (live ? p : 0)) * N + sub * E;
     for (int e = 0; e < E; e++) S[e] = live ? st[e] : 0.0f;
     float a = A[h], d = D[h], bias = dt_bias[h];
-    /* the inputs of step t+1 are loaded while step t computes: the loop runs at the rate of the
-       arithmetic, not of one memory round trip per step */
-    const float *xt = xbc, *B = xt + di + g * N + sub * E, *C = B + G * N;
-    float raw = proj[dt_off + h], xv = xt[h * P + p], nb[E], nc[E];
-    for (int e = 0; e < E; e++) { nb[e] = B[e]; nc[e] = C[e]; }
-    for (int t = 0; t < T; t++) {
-        float b[E], cc[E], r = raw + bias, x = xv;
-        for (int e = 0; e < E; e++) { b[e] = nb[e]; cc[e] = nc[e]; }
-        if (t + 1 < T) {
-            xt = xbc + (size_t)(t + 1) * cv;
-            B = xt + di + g * N + sub * E;
-            C = B + G * N;
-            raw = proj[(size_t)(t + 1) * ld_proj + dt_off + h];
-            xv = xt[h * P + p];
-            for (int e = 0; e < E; e++) { nb[e] = B[e]; nc[e] = C[e]; }
+    for (int t0 = 0; t0 < T; t0 += SCAN_STEPS) {
+        int steps = min(SCAN_STEPS, T - t0);
+        __syncthreads();   /* the previous chunk is consumed */
+        for (int i = threadIdx.x; i < steps * 2 * N; i += blockDim.x) {
+            int s = i / (2 * N), k = i % (2 * N);
+            sBC[i] = xbc[(size_t)(t0 + s) * cv + di + (k < N ? g * N + k : G * N + g * N + k - N)];
         }
-        float dt = r > 20.0f ? r : log1pf(__expf(r));
-        float dA = __expf(dt * a), dx = dt * x, part = 0;
-        for (int e = 0; e < E; e++) {
-            S[e] = dA * S[e] + dx * b[e];
-            part += S[e] * cc[e];
+        for (int i = threadIdx.x; i < steps * rpb; i += blockDim.x) {
+            int s = i / rpb, pp = blockIdx.y * rpb + i % rpb;
+            sx[i] = pp < P ? xbc[(size_t)(t0 + s) * cv + h * P + pp] : 0.0f;
         }
-        for (int o = LR / 2; o; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-        if (live && sub == 0) y[(size_t)t * di + h * P + p] = part + d * x;
+        for (int s = threadIdx.x; s < steps; s += blockDim.x) {
+            float raw = proj[(size_t)(t0 + s) * ld_proj + dt_off + h] + bias;
+            float dt = raw > 20.0f ? raw : log1pf(__expf(raw));
+            sdt[s] = dt;
+            sdA[s] = __expf(dt * a);
+        }
+        __syncthreads();
+        for (int s = 0; s < steps; s++) {
+            const float *B = sBC + s * 2 * N + sub * E, *C = B + N;
+            float xv = sx[s * rpb + r], dx = sdt[s] * xv, dA = sdA[s], part = 0;
+            for (int e = 0; e < E; e++) {
+                S[e] = dA * S[e] + dx * B[e];
+                part += S[e] * C[e];
+            }
+            for (int o = LR / 2; o; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+            if (live && sub == 0) y[(size_t)(t0 + s) * di + h * P + p] = part + d * xv;
+        }
     }
     if (live) for (int e = 0; e < E; e++) st[e] = S[e];
+}
+
+/* Launches the scan for H heads of P channels, state size N. */
+static void ssm_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
+                     const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di) {
+    int E = N <= 128 ? 4 : 8, LR = N / E;
+    int threads = ((P * LR + 31) / 32) * 32;
+    if (threads > 256) threads = 256;
+    int rpb = threads / LR;
+    dim3 grid(H, cdiv(P, rpb));
+    size_t smem = (size_t)SCAN_STEPS * (2 * N + rpb + 2) * sizeof(float);
+    if (E == 4) ssm_scan_kernel<4><<<grid, threads, smem, stream>>>(y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, H, P, N, G, di);
+    else ssm_scan_kernel<8><<<grid, threads, smem, stream>>>(y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, H, P, N, G, di);
+    LAUNCH_CHECK();
 }
 
 /* u = y * silu(z), then RMSNorm over each group of gsize channels, times w: one block per (t, group) */
@@ -451,7 +487,8 @@ __global__ void softmax_causal_kernel(float *S, int n_keys, const int *pos) {
 
 /* The same rule as sample_logits() in nemoh.c: argmax at temp 0 (first on ties); else probabilities
  * p_i ~ exp((l_i - max) / temp), the top-p threshold by bisection, and a draw in index order with
- * coin(seed, step). One block of 1024 threads; thread k owns a contiguous range of the vocabulary. */
+ * coin(seed, step). One block of 1024 threads: the passes over the vocabulary are strided (coalesced);
+ * for the draw, thread k owns the k-th contiguous range, so the prefix over threads is in index order. */
 __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, float *p, int V, float temp, float topp,
                                                      uint64_t seed, uint64_t step) {
     __shared__ float sv[1024];
@@ -460,7 +497,7 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
     int tid = threadIdx.x, per = (V + 1023) / 1024, i0 = tid * per, i1 = min(V, i0 + per);
     float best = -INFINITY;
     int bi = V;
-    for (int i = i0; i < i1; i++) if (l[i] > best) { best = l[i]; bi = i; }
+    for (int i = tid; i < V; i += 1024) if (l[i] > best) { best = l[i]; bi = i; }   /* coalesced passes ... */
     sv[tid] = best; si[tid] = bi;
     __syncthreads();
     for (int o = 512; o; o >>= 1) {
@@ -473,7 +510,7 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
     float mx = sv[0];
     if (temp <= 0) { if (tid == 0) *out = arg; return; }
     double tot = 0;
-    for (int i = i0; i < i1; i++) tot += p[i] = expf((l[i] - mx) / temp);
+    for (int i = tid; i < V; i += 1024) tot += p[i] = expf((l[i] - mx) / temp);
     /* block sums in double, tree order fixed: the same inputs give the same token every time */
 #define BLOCK_DSUM(v, res) do { sd[tid] = (v); __syncthreads(); \
         for (int o = 512; o; o >>= 1) { if (tid < o) sd[tid] += sd[tid + o]; __syncthreads(); } \
@@ -485,12 +522,12 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
         for (int it = 0; it < 40; it++) {
             float mid = 0.5f * (lo + hi);
             double m = 0, mass;
-            for (int i = i0; i < i1; i++) m += p[i] >= mid ? p[i] : 0;
+            for (int i = tid; i < V; i += 1024) m += p[i] >= mid ? p[i] : 0;
             BLOCK_DSUM(m, mass);
             if (mass >= topp * total) lo = mid; else hi = mid;
         }
     }
-    double mine = 0, kept;
+    double mine = 0, kept;   /* ... and contiguous ranges where index order matters: the draw */
     for (int i = i0; i < i1; i++) mine += p[i] >= lo ? p[i] : 0;
     BLOCK_DSUM(mine, kept);
     /* exclusive prefix of the kept mass over threads, then the thread holding the target walks its range */
@@ -526,13 +563,14 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
 /* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2 */
 static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi) {
     if (T == 1) {
-        dim3 grid(cdiv(W->rows, 8));
+        int wpr = W->rows >= 16384 ? 1 : W->rows >= 8192 ? 2 : W->rows >= 4096 ? 4 : 8;
+        dim3 grid(cdiv(W->rows, 8 / wpr));
         if (W->bf) {
-            if (epi) gemv_kernel<1, EPI_RELU2><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols);
-            else gemv_kernel<1, EPI_NONE><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols);
+            if (epi) gemv_kernel<1, EPI_RELU2><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols, wpr);
+            else gemv_kernel<1, EPI_NONE><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols, wpr);
         } else {
-            if (epi) gemv_kernel<0, EPI_RELU2><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols);
-            else gemv_kernel<0, EPI_NONE><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols);
+            if (epi) gemv_kernel<0, EPI_RELU2><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols, wpr);
+            else gemv_kernel<0, EPI_NONE><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols, wpr);
         }
         LAUNCH_CHECK();
         return;
@@ -665,16 +703,8 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
         conv_state_kernel<<<cdiv(cv, 128), 128, 0, g->stream>>>(L->conv_st, g->proj + di, in, T, cv);
         LAUNCH_CHECK();
     }
-    int rows = s->m_heads * c->m_hdim;
-    if (N <= 128) {
-        int LR = N / 4;
-        ssm_scan_kernel<4><<<cdiv((long)rows * LR, 256), 256, 0, g->stream>>>(
-            g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N, s->groups, di);
-    } else {
-        ssm_scan_kernel<8><<<cdiv((long)rows * 32, 256), 256, 0, g->stream>>>(
-            g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N, s->groups, di);
-    }
-    LAUNCH_CHECK();
+    ssm_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
+             s->groups, di);
     gated_norm_kernel<<<T * s->groups, 256, 0, g->stream>>>(g->y, g->proj, in, L->gnorm, di, di / s->groups, c->eps);
     LAUNCH_CHECK();
     matmul(g, mixer_out(r), H, g->y, di, T, &L->out, EPI_NONE);

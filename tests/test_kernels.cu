@@ -169,9 +169,7 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
             conv_state_kernel<<<cdiv(cv, 128), 128>>>(d_cst, d_proj + di, in, T, cv);
             LAUNCH_CHECK();
         }
-        if (E == 4) ssm_scan_kernel<4><<<cdiv((long)di * LR, 256), 256>>>(d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
-        else ssm_scan_kernel<8><<<cdiv((long)di * LR, 256), 256>>>(d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
-        LAUNCH_CHECK();
+        ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
         std::vector<float> y_scan = host_copy(d_y, (size_t)T * di);
         gated_norm_kernel<<<T * G, 256>>>(d_y, d_proj, in, d_gw, di, di / G, 1e-5f);
         LAUNCH_CHECK();
@@ -389,6 +387,7 @@ int main(int argc, char **argv) {
     test_mamba(4, 6, 1, 8, {1, 2, 1});
     test_mamba(8, 64, 4, 128, {3, 1});
     test_mamba(4, 12, 2, 256, {20, 1});
+    test_mamba(2, 80, 1, 128, {40, 1});   /* P = 80: rows of one head across blocks */
     test_attention(4, 2, 20, 0);
     test_attention(6, 3, 8, 7);
     test_attention(8, 2, 128, 300);
