@@ -112,7 +112,7 @@ typedef struct {
     int capturing, captured;
 } GpuRank;
 
-enum { FUSED_BLOCKS = 1024, FUSED_THREADS = 512, SPLIT = 256 };
+enum { FUSED_BLOCKS = 1024, NORM_THREADS = 512, NORM_PER = 16, SPLIT = 64 };
 
 /* ------------------------------------------------------------------------------------------------
  * Kernels: embedding, norms, elementwise
@@ -149,17 +149,27 @@ __global__ void embed_kernel(float *res, const void *emb, int bf, const int *tok
         res[(size_t)t * H + i] = bf ? __bfloat162float(((const bf16 *)emb)[row + i]) : ((const float *)emb)[row + i];
 }
 
-/* res[t] += add[t] (if add); x[t] = res[t] * rsqrt(mean(res[t]^2) + eps) * w */
-__global__ void rmsnorm_kernel(float *x, float *res, const float *add, const float *w, int H, float eps) {
-    float *r = res + (size_t)blockIdx.x * H;
-    float ss = 0;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) {
-        float v = r[i] + (add ? add[(size_t)blockIdx.x * H + i] : 0.0f);
-        if (add) r[i] = v;
-        ss += v * v;
+/* res[t] += add[t] (if add); x[t] = res[t] * rsqrt(mean(res[t]^2) + eps) * w. The row is held in
+ * registers (NORM_PER per thread, hidden <= NORM_PER * NORM_THREADS), so its loads are all in flight
+ * together: a norm costs a couple of memory round trips, not one per element. */
+__global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, float *res, const float *add, const float *w, int H,
+                                                              float eps) {
+    float *r = res + (size_t)blockIdx.x * H, v[NORM_PER], ss = 0;
+#pragma unroll
+    for (int k = 0; k < NORM_PER; k++) {
+        int i = threadIdx.x + k * NORM_THREADS;
+        v[k] = i < H ? r[i] + (add ? add[(size_t)blockIdx.x * H + i] : 0.0f) : 0.0f;
+        ss += v[k] * v[k];
     }
     float scale = rsqrtf(block_sum(ss) / H + eps);
-    for (int i = threadIdx.x; i < H; i += blockDim.x) x[(size_t)blockIdx.x * H + i] = r[i] * scale * w[i];
+#pragma unroll
+    for (int k = 0; k < NORM_PER; k++) {
+        int i = threadIdx.x + k * NORM_THREADS;
+        if (i < H) {
+            if (add) r[i] = v[k];
+            x[(size_t)blockIdx.x * H + i] = v[k] * scale * w[i];
+        }
+    }
 }
 
 /* The fused all-reduce + residual add + RMSNorm, at a layer's entry:
@@ -169,7 +179,7 @@ __global__ void rmsnorm_kernel(float *x, float *res, const float *add, const flo
  * only come back to this slot after every peer has passed the next call's entry barrier, i.e. after
  * it finished reading here. The grid, min(T, FUSED_BLOCKS) blocks, is the same on every rank (T is
  * rank-invariant): ranks launching different grids would wait on each other's barriers forever. */
-__global__ void __launch_bounds__(FUSED_THREADS) fused_allreduce_norm_kernel(
+__global__ void __launch_bounds__(NORM_THREADS) fused_allreduce_norm_kernel(
         ncclDevComm dev, ncclWindow_t win, size_t offset, float *x, float *res, const float *w, int T, int H, float eps) {
     __shared__ const float *peer[64];   /* each rank's slot, as this GPU addresses it */
     int n = dev.lsaSize;
@@ -177,16 +187,27 @@ __global__ void __launch_bounds__(FUSED_THREADS) fused_allreduce_norm_kernel(
     ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x);
     bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);   /* also orders the peer[] writes above */
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
-        float *r = res + (size_t)t * H, ss = 0;
-        for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        float *r = res + (size_t)t * H, v[NORM_PER], ss = 0;
+#pragma unroll
+        for (int k = 0; k < NORM_PER; k++) {
+            int i = threadIdx.x + k * NORM_THREADS;
             float s = 0;
-            for (int p = 0; p < n; p++) s += peer[p][(size_t)t * H + i];
-            float v = r[i] + s;
-            r[i] = v;
-            ss += v * v;
+            if (i < H) {
+                for (int p = 0; p < n; p++) s += peer[p][(size_t)t * H + i];   /* rank order: identical on every rank */
+                s += r[i];
+            }
+            v[k] = s;
+            ss += s * s;
         }
         float scale = rsqrtf(block_sum(ss) / H + eps);
-        for (int i = threadIdx.x; i < H; i += blockDim.x) x[(size_t)t * H + i] = r[i] * scale * w[i];
+#pragma unroll
+        for (int k = 0; k < NORM_PER; k++) {
+            int i = threadIdx.x + k * NORM_THREADS;
+            if (i < H) {
+                r[i] = v[k];
+                x[(size_t)t * H + i] = v[k] * scale * w[i];
+            }
+        }
     }
 }
 
@@ -312,27 +333,32 @@ __global__ void conv_state_kernel(float *state, const float *in, int ldi, int T,
     for (int k = 0; k < 3; k++) state[c * 3 + k] = s[k];
 }
 
-/* The selective scan over T steps. A block works on rows (channels p) of one head h, a group of LR
- * lanes per row, each lane holding E consecutive state entries (N = LR * E):
+/* The selective scan over T steps. A block works on rows (channels p) of one head h; a group of LR
+ * lanes holds R rows, each lane E consecutive state entries of each (N = LR * E):
  *   dt = softplus(dt_raw + dt_bias[h]);  S = exp(dt A[h]) S + dt x[h,p] B[g];  y = S . C[g] + D[h] x[h,p]
- * with g = h / (heads per group). The state stays in registers across steps; the block stages the
+ * with g = h / (heads per group). The state stays in registers across steps. The block stages the
  * inputs of SCAN_STEPS steps (B and C of its group, x of its rows, dt and exp(dt A)) in shared
- * memory with coalesced loads, so a step costs arithmetic, not a memory round trip. T = 1 is the
- * decode step. blockDim = LR * rows per block, a multiple of 32. */
+ * memory with coalesced loads, so a step costs arithmetic rather than a memory round trip, and each
+ * lane reads its slice of B and C once for all R of its rows. T = 1 is the decode step. blockDim is
+ * LR * (row groups per block), a multiple of 32. */
 enum { SCAN_STEPS = 16 };
 
-template <int E>
+template <int E, int R>
 __global__ void __launch_bounds__(256) ssm_scan_kernel(
         float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
         const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di) {
-    extern __shared__ float sm[];
-    int LR = N / E, rpb = blockDim.x / LR, r = threadIdx.x / LR, sub = threadIdx.x % LR;
-    int h = blockIdx.x, p = blockIdx.y * rpb + r, g = h / (H / G), cv = di + 2 * G * N;
-    bool live = p < P;
+    extern __shared__ float4 sm4[];
+    float *sm = (float *)sm4;
+    int LR = N / E, rpb = blockDim.x / LR * R, q = threadIdx.x / LR, sub = threadIdx.x % LR;
+    int h = blockIdx.x, p0 = blockIdx.y * rpb + q * R, g = h / (H / G), cv = di + 2 * G * N;
     float *sBC = sm, *sx = sBC + SCAN_STEPS * 2 * N, *sdt = sx + SCAN_STEPS * rpb, *sdA = sdt + SCAN_STEPS;
-    float S[E];
-    float *st = ssm + ((size_t)h * P + (live ? p : 0)) * N + sub * E;
-    for (int e = 0; e < E; e++) S[e] = live ? st[e] : 0.0f;
+    float S[R][E];
+#pragma unroll
+    for (int k = 0; k < R; k++) {
+        const float *st = ssm + ((size_t)h * P + (p0 + k < P ? p0 + k : 0)) * N + sub * E;
+#pragma unroll
+        for (int e = 0; e < E; e++) S[k][e] = p0 + k < P ? st[e] : 0.0f;
+    }
     float a = A[h], d = D[h], bias = dt_bias[h];
     for (int t0 = 0; t0 < T; t0 += SCAN_STEPS) {
         int steps = min(SCAN_STEPS, T - t0);
@@ -353,30 +379,49 @@ __global__ void __launch_bounds__(256) ssm_scan_kernel(
         }
         __syncthreads();
         for (int s = 0; s < steps; s++) {
-            const float *B = sBC + s * 2 * N + sub * E, *C = B + N;
-            float xv = sx[s * rpb + r], dx = sdt[s] * xv, dA = sdA[s], part = 0;
-            for (int e = 0; e < E; e++) {
-                S[e] = dA * S[e] + dx * B[e];
-                part += S[e] * C[e];
+            float b[E], c[E], dt = sdt[s], dA = sdA[s];
+            const float4 *B4 = (const float4 *)(sBC + s * 2 * N + sub * E), *C4 = (const float4 *)(sBC + s * 2 * N + N + sub * E);
+#pragma unroll
+            for (int e = 0; e < E / 4; e++) {
+                float4 bb = B4[e], cc = C4[e];
+                b[4 * e] = bb.x; b[4 * e + 1] = bb.y; b[4 * e + 2] = bb.z; b[4 * e + 3] = bb.w;
+                c[4 * e] = cc.x; c[4 * e + 1] = cc.y; c[4 * e + 2] = cc.z; c[4 * e + 3] = cc.w;
             }
-            for (int o = LR / 2; o; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-            if (live && sub == 0) y[(size_t)(t0 + s) * di + h * P + p] = part + d * xv;
+#pragma unroll
+            for (int k = 0; k < R; k++) {
+                float xv = sx[s * rpb + q * R + k], dx = dt * xv, part = 0;
+#pragma unroll
+                for (int e = 0; e < E; e++) {
+                    S[k][e] = dA * S[k][e] + dx * b[e];
+                    part += S[k][e] * c[e];
+                }
+                for (int o = LR / 2; o; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+                if (sub == 0 && p0 + k < P) y[(size_t)(t0 + s) * di + h * P + p0 + k] = part + d * xv;
+            }
         }
     }
-    if (live) for (int e = 0; e < E; e++) st[e] = S[e];
+#pragma unroll
+    for (int k = 0; k < R; k++)
+        if (p0 + k < P) {
+            float *st = ssm + ((size_t)h * P + p0 + k) * N + sub * E;
+#pragma unroll
+            for (int e = 0; e < E; e++) st[e] = S[k][e];
+        }
 }
 
-/* Launches the scan for H heads of P channels, state size N. */
+/* Launches the scan for H heads of P channels, state size N: four rows per lane group where P allows. */
 static void ssm_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
                      const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di) {
-    int E = N <= 128 ? 4 : 8, LR = N / E;
-    int threads = ((P * LR + 31) / 32) * 32;
+    int E = N <= 128 ? 4 : 8, LR = N / E, R = P % 4 == 0 && P >= 32 ? 4 : 1;
+    int threads = ((P / R * LR + 31) / 32) * 32;   /* P / R: R divides P when R > 1 */
     if (threads > 256) threads = 256;
-    int rpb = threads / LR;
+    int rpb = threads / LR * R;
     dim3 grid(H, cdiv(P, rpb));
     size_t smem = (size_t)SCAN_STEPS * (2 * N + rpb + 2) * sizeof(float);
-    if (E == 4) ssm_scan_kernel<4><<<grid, threads, smem, stream>>>(y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, H, P, N, G, di);
-    else ssm_scan_kernel<8><<<grid, threads, smem, stream>>>(y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, H, P, N, G, di);
+#define SCAN(e, r) ssm_scan_kernel<e, r><<<grid, threads, smem, stream>>>(y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, H, P, N, G, di)
+    if (E == 4) { if (R == 4) SCAN(4, 4); else SCAN(4, 1); }
+    else { if (R == 4) SCAN(8, 4); else SCAN(8, 1); }
+#undef SCAN
     LAUNCH_CHECK();
 }
 
@@ -657,7 +702,7 @@ static void gpu_norm(Rank *r, int l, int how, int T) {
     const float *w = l < c->n_layers ? g->L[l].norm : g->norm_f;
     if (how == NORM_FUSED && g->devapi) {
         size_t off = (size_t)g->slot * r->t_max * c->hidden * sizeof(float);
-        fused_allreduce_norm_kernel<<<T < FUSED_BLOCKS ? T : FUSED_BLOCKS, FUSED_THREADS, 0, g->stream>>>(
+        fused_allreduce_norm_kernel<<<T < FUSED_BLOCKS ? T : FUSED_BLOCKS, NORM_THREADS, 0, g->stream>>>(
             g->dev, g->win, off, g->x, g->res, w, T, c->hidden, c->eps);
         LAUNCH_CHECK();
         g->slot ^= 1;
@@ -668,7 +713,7 @@ static void gpu_norm(Rank *r, int l, int how, int T) {
         g->owed = g->red;
         g->slot ^= 1;
     }
-    rmsnorm_kernel<<<T, 256, 0, g->stream>>>(g->x, g->res, how == NORM_PLAIN ? NULL : g->owed, w, c->hidden, c->eps);
+    rmsnorm_kernel<<<T, NORM_THREADS, 0, g->stream>>>(g->x, g->res, how == NORM_PLAIN ? NULL : g->owed, w, c->hidden, c->eps);
     LAUNCH_CHECK();
 }
 
@@ -810,6 +855,10 @@ static void *gpu_setup(const Config *c, int n, int t_max, int logit_rows) {
         }
     }
     if (c->head_dim > 256) { fprintf(stderr, "nemoh: the CUDA backend needs head_dim <= 256; use --cpu\n"); exit(1); }
+    if (c->hidden > NORM_PER * NORM_THREADS || c->hidden % 8) {
+        fprintf(stderr, "nemoh: the CUDA backend needs hidden_size a multiple of 8, at most %d; use --cpu\n", NORM_PER * NORM_THREADS);
+        exit(1);
+    }
     int devs[64];
     for (int i = 0; i < n; i++) devs[i] = i;
     NCCL_CHECK(ncclCommInitAll(sh->comm, n, devs));
@@ -961,10 +1010,6 @@ static void gpu_init(Rank *r) {
     GMat emb = upload_mat(&w->embed, 1);
     g->embed = (bf16 *)emb.w;
     g->embed_bf = emb.bf;
-    if (emb.ld != emb.cols) {  /* the gather reads dense rows: re-pack */
-        fprintf(stderr, "nemoh: the CUDA backend needs hidden_size to be a multiple of 8\n");
-        exit(1);
-    }
     g->lm_head = upload_mat(&w->lm_head, 1);
     g->norm_f = upload_f32(w->norm_f, H);
     for (int l = 0; l < c->n_layers; l++) {
@@ -1199,11 +1244,11 @@ static void ar_rank(ArBench *b) {
             for (int it = 0; it < AR_ITERS; it++) {
                 int s = it & 1;  /* alternate the two slots, as the layer loop does */
                 if (path == 0 && devapi) {
-                    fused_allreduce_norm_kernel<<<T < FUSED_BLOCKS ? T : FUSED_BLOCKS, FUSED_THREADS, 0, st>>>(
+                    fused_allreduce_norm_kernel<<<T < FUSED_BLOCKS ? T : FUSED_BLOCKS, NORM_THREADS, 0, st>>>(
                         dev, win, s * slot * sizeof(float), x, res, w, T, H, 1e-5f);
                 } else {
                     NCCL_CHECK(ncclAllReduce(pend + s * slot, red, cnt, ncclFloat, ncclSum, b->comm, st));
-                    rmsnorm_kernel<<<T, 256, 0, st>>>(x, res, red, w, H, 1e-5f);
+                    rmsnorm_kernel<<<T, NORM_THREADS, 0, st>>>(x, res, red, w, H, 1e-5f);
                 }
                 LAUNCH_CHECK();
             }
@@ -1247,6 +1292,7 @@ static void ar_rank(ArBench *b) {
 }
 
 extern "C" int cuda_bench_allreduce(int n, int hidden) {
+    if (hidden > NORM_PER * NORM_THREADS) { fprintf(stderr, "nemoh: --hidden %d: at most %d\n", hidden, NORM_PER * NORM_THREADS); return 1; }
     ncclComm_t comm[64];
     int devs[64] = {0};
     for (int i = 0; i < n; i++) devs[i] = i;

@@ -113,7 +113,7 @@ static void test_norms(int H, int T) {
     std::vector<float> res = rand_vec((size_t)T * H, 3.0f), add = rand_vec((size_t)T * H), w = rand_vec(H);
     for (int with_add = 0; with_add < 2; with_add++) {
         float *dres = dev_copy(res), *dadd = dev_copy(add), *dw = dev_copy(w), *dx = dev_copy(std::vector<float>((size_t)T * H));
-        rmsnorm_kernel<<<T, 256>>>(dx, dres, with_add ? dadd : NULL, dw, H, 1e-5f);
+        rmsnorm_kernel<<<T, NORM_THREADS>>>(dx, dres, with_add ? dadd : NULL, dw, H, 1e-5f);
         LAUNCH_CHECK();
         std::vector<double> rx((size_t)T * H), rr((size_t)T * H);
         for (int t = 0; t < T; t++) {
