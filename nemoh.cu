@@ -1167,11 +1167,12 @@ extern "C" const char *cuda_fuse_path(Rank *r) {
 typedef struct {
     int rank, n, hidden;
     ncclComm_t comm;
-    float fused_us[12], nccl_us[12];    /* per size, this rank's median */
-    int bad[12];                        /* per size, failed checks */
+    float fused_us[13], nccl_us[13];    /* per size, this rank's median */
+    int bad[13];                        /* per size, failed checks */
 } ArBench;
 
-enum { AR_SIZES = 12, AR_ITERS = 20, AR_REPS = 15 };
+enum { AR_SIZES = 13, AR_ITERS = 20, AR_REPS = 15 };
+static const int ar_tokens[AR_SIZES] = {1, 2, 4, 7, 8, 16, 32, 64, 128, 256, 512, 1024, 2048};  /* 7: not a power of two */
 
 static double host_check(const float *got_x, const float *got_res, const std::vector<float> &res0,
                          const std::vector<float> &sum, const std::vector<float> &w, int T, int H, int calls, float eps,
@@ -1224,7 +1225,7 @@ static void ar_rank(ArBench *b) {
     CUDA_CHECK(cudaEventCreate(&e0));
     CUDA_CHECK(cudaEventCreate(&e1));
     for (int si = 0; si < AR_SIZES; si++) {
-        int T = 1 << si;
+        int T = ar_tokens[si];
         size_t cnt = (size_t)T * H;
         /* fresh inputs: this rank's partial sums, and the residual and weight every rank shares */
         for (size_t i = 0; i < cnt; i++) { hp[i] = 2 * coin(77 + b->rank * 1000 + si, i) - 1; hres[i] = 2 * coin(5 + si, i) - 1; }
@@ -1315,8 +1316,8 @@ extern "C" int cuda_bench_allreduce(int n, int hidden) {
         int bad = 0;
         for (int i = 0; i < n; i++) { f = fmaxf(f, b[i].fused_us[si]); c = fmaxf(c, b[i].nccl_us[si]); bad += b[i].bad[si]; }
         failed += bad;
-        double bytes = (double)(1 << si) * hidden * 4, factor = n > 1 ? 2.0 * (n - 1) / n : 0;
-        printf("%8d %12.0f %12.2f %14.2f %8.2fx %11.1f GB/s %9.1f GB/s %6s\n", 1 << si, bytes, f, c, c / f,
+        double bytes = (double)ar_tokens[si] * hidden * 4, factor = n > 1 ? 2.0 * (n - 1) / n : 0;
+        printf("%8d %12.0f %12.2f %14.2f %8.2fx %11.1f GB/s %9.1f GB/s %6s\n", ar_tokens[si], bytes, f, c, c / f,
                bytes * factor / (f * 1e3), bytes * factor / (c * 1e3), bad ? "FAIL" : "ok");
     }
     for (int i = 0; i < n; i++) NCCL_CHECK(ncclCommDestroy(comm[i]));

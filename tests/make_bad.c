@@ -94,6 +94,8 @@ int main(int argc, char **argv) {
     data_len = n - 8 - hl;
 
     emit("good", "", good_config, header, 0, 0);  /* the control: must load */
+    /* accepted too: older NVIDIA checkpoints name the embedding backbone.embedding.weight */
+    emit("good-embedding-name", "", good_config, replace(header, "\"backbone.embeddings.weight\"", "\"backbone.embedding.weight\""), 0, 0);
     emit("no-safetensors", "no model.safetensors", good_config, NULL, 0, 0);
     emit("no-config", "config.json: cannot open", NULL, header, 0, 0);
     emit("missing-key", "missing key hidden_size", replace(good_config, "\"hidden_size\"", "\"hidden_size_x\""), header, 0, 0);
