@@ -676,32 +676,6 @@ static Mat mat_view(const Tensor *t, long r0, long rows, long c0, long cols) {
     return (Mat){p, t->dtype, (int)rows, (int)cols, (size_t)ld};
 }
 
-static float bf16_to_f32(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, u;
-    if (exp == 31) u = sign | 0x7F800000u | man << 13;                  /* inf, nan */
-    else if (exp) u = sign | (exp + 112) << 23 | man << 13;              /* normal */
-    else if (!man) u = sign;                                             /* zero */
-    else { float f = ldexpf((float)man, -24); memcpy(&u, &f, 4); u |= sign; }  /* subnormal */
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Element i of a stored row, as fp32. */
-static float load_f32(const void *p, int dtype, size_t i) {
-    if (dtype == DT_F32) { float f; memcpy(&f, (const char *)p + 4 * i, 4); return f; }
-    uint16_t h;
-    memcpy(&h, (const char *)p + 2 * i, 2);
-    return dtype == DT_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
-}
-
 /* An fp32 copy of elements [i0, i0+n) of a small tensor (norms, conv, A_log, D, dt_bias). */
 static float *small_f32(const Tensor *t, size_t i0, size_t n) {
     float *out = xmalloc(n * sizeof(float));

@@ -879,23 +879,6 @@ static void gpu_teardown(void *p) {
 
 static int pad8(int n) { return (n + 7) / 8 * 8; }
 
-static float host_load(const void *p, int dtype, size_t i) {
-    if (dtype == DT_F32) { float f; memcpy(&f, (const char *)p + 4 * i, 4); return f; }
-    uint16_t h;
-    memcpy(&h, (const char *)p + 2 * i, 2);
-    uint32_t u;
-    if (dtype == DT_BF16) u = (uint32_t)h << 16;
-    else {  /* f16 */
-        uint32_t sign = (uint32_t)(h >> 15) << 31, e = (h >> 10) & 31, m = h & 1023;
-        if (e == 31) u = sign | 0x7F800000u | m << 13;
-        else if (e) u = sign | (e + 112) << 23 | m << 13;
-        else { float f = ldexpf((float)m, -24); memcpy(&u, &f, 4); u |= sign; }
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static uint64_t synth_seed = 0x5eed;
 
 /* Uploads host views, stacked by rows, into one device matrix [sum rows, cols] with a padded row
@@ -926,7 +909,7 @@ static GMat upload_mat(const Mat *parts, int n_parts) {
         for (int i = 0; i < p->rows; i++, r0++) {
             const char *src = (const char *)p->data + (size_t)i * p->ld * (p->dtype == DT_F32 ? 4 : 2);
             if (m.bf) memcpy(row, src, (size_t)m.cols * 2);
-            else for (int j = 0; j < m.cols; j++) ((float *)row)[j] = host_load(src, p->dtype, (size_t)j);
+            else for (int j = 0; j < m.cols; j++) ((float *)row)[j] = load_f32(src, p->dtype, (size_t)j);
             CUDA_CHECK(cudaMemcpy((char *)m.w + r0 * m.ld * es, row, (size_t)m.cols * es, cudaMemcpyHostToDevice));
         }
     }

@@ -6,8 +6,10 @@
 #ifndef NEMOH_H
 #define NEMOH_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #ifdef __CUDACC__
 #define NEMOH_HD __host__ __device__
@@ -161,6 +163,33 @@ int cuda_bench_allreduce(int n, int hidden);    /* --bench-allreduce; returns th
 /* ------------------------------------------------------------------------------------------------
  * Small math shared by host and device
  * ---------------------------------------------------------------------------------------------- */
+
+/* Stored elements to fp32: bf16 is the top half of an fp32; f16 is widened by its fields. */
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023, u;
+    if (exp == 31) u = sign | 0x7F800000u | man << 13;                  /* inf, nan */
+    else if (exp) u = sign | (exp + 112) << 23 | man << 13;              /* normal */
+    else if (!man) u = sign;                                             /* zero */
+    else { float f = ldexpf((float)man, -24); memcpy(&u, &f, 4); u |= sign; }  /* subnormal */
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Element i of a stored row, as fp32. */
+static inline float load_f32(const void *p, int dtype, size_t i) {
+    if (dtype == DT_F32) { float f; memcpy(&f, (const char *)p + 4 * i, 4); return f; }
+    uint16_t h;
+    memcpy(&h, (const char *)p + 2 * i, 2);
+    return dtype == DT_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
 
 /* A counter-based uniform draw in [0,1): the same (seed, step) gives the same coin on CPU and GPU. */
 static inline NEMOH_HD float coin(uint64_t seed, uint64_t step) {
