@@ -2328,13 +2328,6 @@ int main(int argc, char **argv) {
         return 0;
     }
     o.tok = print_ids ? NULL : tok;
-    if (o.tok && !do_bench) {  /* the prompt first (ids as the tokenizer decodes them), then the continuation */
-        size_t len = 0;
-        char *text = ids_arg ? tok_decode(tok, tokens, n_prompt, &len) : NULL;
-        if (text) fwrite(text, 1, len, stdout);
-        else fputs(prompt_text, stdout);
-        free(text);
-    }
 
     double t0 = now_s();
     Engine e = {0};
@@ -2369,6 +2362,13 @@ int main(int argc, char **argv) {
     if (do_bench) {
         bench(&e, preset ? preset : dir, P, n_set ? o.n : 256, gpus > 0);
     } else {
+        if (o.tok) {  /* the prompt first (ids as the tokenizer decodes them), then the continuation */
+            size_t len = 0;
+            char *text = ids_arg ? tok_decode(tok, tokens, n_prompt, &len) : NULL;
+            if (text) fwrite(text, 1, len, stdout);
+            else fputs(prompt_text, stdout);
+            free(text);
+        }
         GenStats st = generate(&e, tokens, n_prompt, &o);
         fprintf(stderr, "nemoh: prefill %d tokens in %.3f s (%.1f tok/s); decode %d tokens in %.3f s (%.1f tok/s)\n",
                 n_prompt, st.prefill_s, n_prompt / st.prefill_s, st.made, st.decode_s,
