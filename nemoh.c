@@ -585,8 +585,7 @@ static void config_load(Config *c, const char *dir) {
         if (c->kind[i] == 'E') die("%s: layer %d is a mixture-of-experts block; nemoh does not support MoE", path, i);
     int nl = cfg_int(root, path, "num_hidden_layers", 0, c->n_layers);
     if (nl != c->n_layers) die("%s: num_hidden_layers is %d but the pattern has %d layers", path, nl, c->n_layers);
-    int has_m = memchr(c->kind, 'M', c->n_layers) != NULL, has_a = memchr(c->kind, '*', c->n_layers) != NULL,
-        has_f = memchr(c->kind, '-', c->n_layers) != NULL;
+    int has_m = has_kind(c, 'M'), has_a = has_kind(c, '*'), has_f = has_kind(c, '-');
 
     c->vocab = cfg_int(root, path, "vocab_size", 1, 0);
     c->hidden = cfg_int(root, path, "hidden_size", 1, 0);
@@ -642,8 +641,7 @@ static void config_load(Config *c, const char *dir) {
 
 /* Tensor-parallel sizes; returns NULL if n ranks can split the model, else the reason. */
 static const char *shard_sizes(Shard *s, const Config *c, int rank, int n) {
-    int has_m = memchr(c->kind, 'M', c->n_layers) != NULL, has_a = memchr(c->kind, '*', c->n_layers) != NULL,
-        has_f = memchr(c->kind, '-', c->n_layers) != NULL;
+    int has_m = has_kind(c, 'M'), has_a = has_kind(c, '*'), has_f = has_kind(c, '-');
     if (has_m && (c->m_heads % n || c->n_groups % n)) return "mamba heads and n_groups";
     if (has_a && (c->n_heads % n || (c->n_kv % n && n % c->n_kv))) return "attention heads (and kv heads, or be a multiple of them)";
     if (has_f && c->mlp % n) return "the MLP size";

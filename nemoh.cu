@@ -846,7 +846,7 @@ static void *gpu_setup(const Config *c, int n, int t_max, int logit_rows) {
     if (!sh) { fprintf(stderr, "nemoh: out of memory\n"); exit(1); }
     int have = cuda_devices();
     if (n > have) { fprintf(stderr, "nemoh: --tp %d: only %d GPU%s visible\n", n, have, have == 1 ? "" : "s"); exit(1); }
-    if (c->n_layers && memchr(c->kind, 'M', c->n_layers)) {
+    if (has_kind(c, 'M')) {
         int E = c->d_state <= 128 ? 4 : 8;
         if (c->d_conv != 4 || c->d_state % E || (c->d_state / E) & (c->d_state / E - 1) || c->d_state / E > 32) {
             fprintf(stderr, "nemoh: the CUDA backend needs conv_kernel 4 and ssm_state_size 8..256 a power-of-two "

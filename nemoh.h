@@ -164,6 +164,9 @@ int cuda_bench_allreduce(int n, int hidden);    /* --bench-allreduce; returns th
  * Small math shared by host and device
  * ---------------------------------------------------------------------------------------------- */
 
+/* 1 if some layer of the model is of kind k ('M', '*' or '-'). */
+static inline int has_kind(const Config *c, char k) { return memchr(c->kind, k, (size_t)c->n_layers) != NULL; }
+
 /* Stored elements to fp32: bf16 is the top half of an fp32; f16 is widened by its fields. */
 static inline float bf16_to_f32(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
