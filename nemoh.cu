@@ -34,9 +34,32 @@
     fprintf(stderr, "nemoh: %s:%d: %s: %s\n", __FILE__, __LINE__, #call, cublasGetStatusString(s_)); exit(1); } } while (0)
 #define NCCL_CHECK(call) do { ncclResult_t r_ = (call); if (r_ != ncclSuccess) { \
     fprintf(stderr, "nemoh: %s:%d: %s: %s\n", __FILE__, __LINE__, #call, ncclGetErrorString(r_)); exit(1); } } while (0)
-#define LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
 
 static int cdiv(long a, long b) { return (int)((a + b - 1) / b); }
+
+/* Every kernel is launched through LAUNCH(grid, block, smem, stream, kernel, args...): checked, and
+ * with programmatic dependent launch, so the GPU may start a kernel while the one before it drains
+ * (a decode step is ~250 kernels in a row; this hides the launch gaps between them). Every kernel
+ * therefore begins with pdl_wait(), which returns once the previous kernel has finished and its
+ * writes are visible; only what no kernel writes (weights) may be read before it. */
+template <typename... P, typename... A>
+static void launch(const char *file, int line, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   void (*kernel)(P...), A... args) {
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {grid, block, smem, stream, &attr, 1};
+    cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, (P)args...);
+    if (e == cudaSuccess) e = cudaGetLastError();
+    if (e != cudaSuccess) { fprintf(stderr, "nemoh: %s:%d: kernel launch: %s\n", file, line, cudaGetErrorString(e)); exit(1); }
+}
+#define LAUNCH(...) launch(__FILE__, __LINE__, __VA_ARGS__)
+
+/* Wait for the previous kernel (see LAUNCH), then let the next one be scheduled. */
+__device__ __forceinline__ void pdl_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+}
 
 /* ------------------------------------------------------------------------------------------------
  * Device structs
@@ -141,12 +164,13 @@ __device__ float block_sum(float v) {
     return r;
 }
 
-/* res[t] = embedding[tok[t]] */
+/* res[t] = embedding[tok[t]]; one thread per element */
 __global__ void embed_kernel(float *res, const void *emb, int bf, const int *tok, int H) {
-    int t = blockIdx.x;
+    pdl_wait();
+    int t = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= H) return;
     size_t row = (size_t)tok[t] * H;
-    for (int i = threadIdx.x; i < H; i += blockDim.x)
-        res[(size_t)t * H + i] = bf ? __bfloat162float(((const bf16 *)emb)[row + i]) : ((const float *)emb)[row + i];
+    res[(size_t)t * H + i] = bf ? __bfloat162float(((const bf16 *)emb)[row + i]) : ((const float *)emb)[row + i];
 }
 
 /* res[t] += add[t] (if add); x[t] = res[t] * rsqrt(mean(res[t]^2) + eps) * w. The row is held in
@@ -154,6 +178,7 @@ __global__ void embed_kernel(float *res, const void *emb, int bf, const int *tok
  * together: a norm costs a couple of memory round trips, not one per element. */
 __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, float *res, const float *add, const float *w, int H,
                                                               float eps) {
+    pdl_wait();
     float *r = res + (size_t)blockIdx.x * H, v[NORM_PER], ss = 0;
 #pragma unroll
     for (int k = 0; k < NORM_PER; k++) {
@@ -181,23 +206,31 @@ __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, float *
  * rank-invariant): ranks launching different grids would wait on each other's barriers forever. */
 __global__ void __launch_bounds__(NORM_THREADS) fused_allreduce_norm_kernel(
         ncclDevComm dev, ncclWindow_t win, size_t offset, float *x, float *res, const float *w, int T, int H, float eps) {
-    __shared__ const float *peer[64];   /* each rank's slot, as this GPU addresses it */
+    __shared__ const float *peer[64];   /* each rank's slot, as this GPU addresses it (fixed: before the wait) */
     int n = dev.lsaSize;
     for (int p = threadIdx.x; p < n; p += blockDim.x) peer[p] = (const float *)ncclGetLsaPointer(win, offset, p);
-    ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x);
-    bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);   /* also orders the peer[] writes above */
+    pdl_wait();
+    if (n > 1) {   /* alone, there is nobody to wait for: the barrier would be pure cost */
+        ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x);
+        bar.sync(ncclCoopCta(), cuda::memory_order_acq_rel);   /* also orders the peer[] writes above */
+    } else {
+        __syncthreads();
+    }
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
-        float *r = res + (size_t)t * H, v[NORM_PER], ss = 0;
+        float *r = res + (size_t)t * H, v[NORM_PER] = {}, ss = 0;
+        for (int p = 0; p < n; p++) {   /* rank order: identical on every rank; a rank's loads all in flight */
+            const float *src = peer[p] + (size_t)t * H;
+#pragma unroll
+            for (int k = 0; k < NORM_PER; k++) {
+                int i = threadIdx.x + k * NORM_THREADS;
+                if (i < H) v[k] += src[i];
+            }
+        }
 #pragma unroll
         for (int k = 0; k < NORM_PER; k++) {
             int i = threadIdx.x + k * NORM_THREADS;
-            float s = 0;
-            if (i < H) {
-                for (int p = 0; p < n; p++) s += peer[p][(size_t)t * H + i];   /* rank order: identical on every rank */
-                s += r[i];
-            }
-            v[k] = s;
-            ss += s * s;
+            if (i < H) v[k] += r[i];
+            ss += v[k] * v[k];
         }
         float scale = rsqrtf(block_sum(ss) / H + eps);
 #pragma unroll
@@ -213,18 +246,21 @@ __global__ void __launch_bounds__(NORM_THREADS) fused_allreduce_norm_kernel(
 
 /* out = bf16(in), row by row: [T, cols] with row strides ldi, ldo */
 __global__ void to_bf16_kernel(bf16 *out, int ldo, const float *in, int ldi, int cols) {
+    pdl_wait();
     const float *src = in + (size_t)blockIdx.x * ldi;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(size_t)blockIdx.x * ldo + i] = __float2bfloat16(src[i]);
 }
 
 /* x = relu(x)^2 */
 __global__ void relu2_kernel(float *x, size_t n) {
+    pdl_wait();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) { float v = fmaxf(x[i], 0.0f); x[i] = v * v; }
 }
 
 /* Deterministic uniform(-a, a) fill for synthetic weights (the same coin() as the host). */
 __global__ void fill_kernel(void *p, int bf, size_t n, float a, uint64_t seed) {
+    pdl_wait();
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float v = (2.0f * coin(seed, i) - 1.0f) * a;
         if (bf) ((bf16 *)p)[i] = __float2bfloat16(v); else ((float *)p)[i] = v;
@@ -259,7 +295,7 @@ __device__ __forceinline__ float dot16(uint4 w, const float *x, int bf) {
 enum { EPI_NONE, EPI_RELU2 };
 
 /* out[i] = epi(sum_k W[i][k] x[k]); wpr warps per row (1, 2, 4 or 8; more when there are few rows,
- * so that every SM has loads in flight), four 16-byte loads in flight per lane. x must be 16-byte
+ * so that every SM has loads in flight), four to eight 16-byte loads in flight per lane. x must be 16-byte
  * aligned; W rows are (their stride ld is a multiple of 8 elements). */
 template <int BF, int EPI>
 __global__ void __launch_bounds__(256) gemv_kernel(float *out, const void *W, int ld, const float *x, int rows, int cols,
@@ -268,15 +304,24 @@ __global__ void __launch_bounds__(256) gemv_kernel(float *out, const void *W, in
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr;
     int row = blockIdx.x * (8 / wpr) + warp / wpr;
     const int per = BF ? 8 : 4;                         /* elements per 16 bytes */
+    const char *wrow = (const char *)W + (size_t)(row < rows ? row : 0) * ld * (BF ? 2 : 4);
+    const uint4 *w = (const uint4 *)wrow;
+    int nvec = cols / per, st = 32 * wpr, c = part * 32 + lane;
+    uint4 a = {}, b = {}, d = {}, e = {};
+    if (row < rows && c + 3 * st < nvec) {   /* weights: fetched while the previous kernel finishes */
+        a = ld_stream(w + c); b = ld_stream(w + c + st); d = ld_stream(w + c + 2 * st); e = ld_stream(w + c + 3 * st);
+    }
+    pdl_wait();
     float acc = 0;
     if (row < rows) {
-        const char *wrow = (const char *)W + (size_t)row * ld * (BF ? 2 : 4);
-        const uint4 *w = (const uint4 *)wrow;
-        int nvec = cols / per, st = 32 * wpr, c = part * 32 + lane;
-        for (; c + 3 * st < nvec; c += 4 * st) {
-            uint4 a = ld_stream(w + c), b = ld_stream(w + c + st), d = ld_stream(w + c + 2 * st), e = ld_stream(w + c + 3 * st);
-            acc += dot16(a, x + c * per, BF) + dot16(b, x + (c + st) * per, BF) + dot16(d, x + (c + 2 * st) * per, BF) +
-                   dot16(e, x + (c + 3 * st) * per, BF);
+        for (; c + 3 * st < nvec; c += 4 * st) {   /* the next four loads go out before this four's math */
+            uint4 a0 = a, b0 = b, d0 = d, e0 = e;
+            if (c + 7 * st < nvec) {
+                a = ld_stream(w + c + 4 * st); b = ld_stream(w + c + 5 * st); d = ld_stream(w + c + 6 * st);
+                e = ld_stream(w + c + 7 * st);
+            }
+            acc += dot16(a0, x + c * per, BF) + dot16(b0, x + (c + st) * per, BF) + dot16(d0, x + (c + 2 * st) * per, BF) +
+                   dot16(e0, x + (c + 3 * st) * per, BF);
         }
         for (; c < nvec; c += st) acc += dot16(ld_stream(w + c), x + c * per, BF);
         for (int k = nvec * per + part * 32 + lane; k < cols; k += st)   /* the tail that is not a whole 16 bytes */
@@ -299,20 +344,37 @@ __global__ void __launch_bounds__(256) gemv_kernel(float *out, const void *W, in
  * Kernels: Mamba2
  * ---------------------------------------------------------------------------------------------- */
 
-/* Causal depthwise conv1d (width 4) + SiLU, one thread per (t, channel):
+/* Causal depthwise conv1d (width 4) + SiLU:
  *   out[t] = silu(b + w0 in[t-3] + w1 in[t-2] + w2 in[t-1] + w3 in[t]),
- * where in[-3..-1] are the three inputs before this step, kept in `state` (oldest first). A single
- * step (decode) also shifts the state here; a longer one leaves that to conv_state_kernel. */
+ * where in[-3..-1] are the three inputs before this step, kept in `state` (oldest first). A thread
+ * slides along CONV_STEPS steps of one channel, so each input is read once. A single step (decode)
+ * also shifts the state here; a longer one leaves that to conv_state_kernel. */
+enum { CONV_STEPS = 8 };
+
 __global__ void conv_kernel(float *out, const float *in, int ldi, float *state, const float *w, const float *b,
                             int T, int C) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    int c = blockIdx.x * blockDim.x + threadIdx.x, t0 = blockIdx.y * CONV_STEPS;
+    float w0 = 0, w1 = 0, w2 = 0, w3 = 0, bias = 0;
+    if (c < C) { w0 = w[c * 4]; w1 = w[c * 4 + 1]; w2 = w[c * 4 + 2]; w3 = w[c * 4 + 3]; bias = b[c]; }
+    pdl_wait();
     if (c >= C) return;
-    float a = b[c];
-    for (int k = 0; k < 4; k++) {
-        int j = t - 3 + k;
-        a += w[c * 4 + k] * (j >= 0 ? in[(size_t)j * ldi + c] : state[c * 3 + 3 + j]);
+    float h[3];
+    for (int k = 0; k < 3; k++) {
+        int j = t0 - 3 + k;
+        h[k] = j >= 0 ? in[(size_t)j * ldi + c] : state[c * 3 + 3 + j];
     }
-    out[(size_t)t * C + c] = a / (1.0f + __expf(-a));
+#pragma unroll
+    for (int s = 0; s < CONV_STEPS; s++) {
+        int t = t0 + s;
+        if (t >= T) break;
+        float cur = in[(size_t)t * ldi + c], a = bias;
+        a += w0 * h[0];
+        a += w1 * h[1];
+        a += w2 * h[2];
+        a += w3 * cur;
+        out[(size_t)t * C + c] = a / (1.0f + __expf(-a));
+        h[0] = h[1]; h[1] = h[2]; h[2] = cur;
+    }
     if (T == 1) {
         float s1 = state[c * 3 + 1], s2 = state[c * 3 + 2];
         state[c * 3] = s1;
@@ -323,6 +385,7 @@ __global__ void conv_kernel(float *out, const float *in, int ldi, float *state, 
 
 /* After the step: the state keeps the last three inputs (from the state itself when T < 3). */
 __global__ void conv_state_kernel(float *state, const float *in, int ldi, int T, int C) {
+    pdl_wait();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     float s[3];
@@ -333,100 +396,136 @@ __global__ void conv_state_kernel(float *state, const float *in, int ldi, int T,
     for (int k = 0; k < 3; k++) state[c * 3 + k] = s[k];
 }
 
-/* The selective scan over T steps. A block works on rows (channels p) of one head h; a group of LR
- * lanes holds R rows, each lane E consecutive state entries of each (N = LR * E):
+/* The selective scan over T steps, for head h and channel (row) p:
  *   dt = softplus(dt_raw + dt_bias[h]);  S = exp(dt A[h]) S + dt x[h,p] B[g];  y = S . C[g] + D[h] x[h,p]
- * with g = h / (heads per group). The state stays in registers across steps. The block stages the
- * inputs of SCAN_STEPS steps (B and C of its group, x of its rows, dt and exp(dt A)) in shared
- * memory with coalesced loads, so a step costs arithmetic rather than a memory round trip, and each
- * lane reads its slice of B and C once for all R of its rows. T = 1 is the decode step. blockDim is
- * LR * (row groups per block), a multiple of 32. */
-enum { SCAN_STEPS = 16 };
+ * with g = h / (heads per group). A group of LR lanes holds four rows; each lane keeps E = N / LR of
+ * their state entries (n = sub, sub + LR, ...) in registers for all T steps. Four rows per lane let
+ * one read of B and C serve four rows (shared-memory bandwidth is what bounds a scan like this), and
+ * the four row sums are reduce-scattered over the LR lanes: after two exchanges each lane carries one
+ * row, so a step costs a handful of shuffles, not four full reductions. The block copies the inputs
+ * of the next `chunk` steps (its group's B and C, its rows' x, the raw dt) into shared memory with
+ * cp.async while it computes the current ones. T = 1 is the decode step. */
+enum { SCAN_STEPS = 16, SCAN_THREADS = 256 };
 
-template <int E, int R>
-__global__ void __launch_bounds__(256) ssm_scan_kernel(
-        float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
-        const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di) {
+__device__ __forceinline__ void cp_async4(float *dst, const float *src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int n> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory"); }
+
+/* Lanes per group of four rows: 16 (8 at N = 8). N is a power of two, 8..256. */
+__host__ __device__ constexpr int scan_lanes(int N) { return N >= 16 ? 16 : N; }
+
+template <int N>
+__global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
+        float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off, const float *A,
+        const float *D, const float *dt_bias, int T, int chunk, int H, int P, int G, int di) {
+    constexpr int LR = scan_lanes(N), E = N / LR;   /* compile-time: shared-memory offsets become immediates */
     extern __shared__ float4 sm4[];
     float *sm = (float *)sm4;
-    int LR = N / E, rpb = blockDim.x / LR * R, q = threadIdx.x / LR, sub = threadIdx.x % LR;
-    int h = blockIdx.x, p0 = blockIdx.y * rpb + q * R, g = h / (H / G), cv = di + 2 * G * N;
-    float *sBC = sm, *sx = sBC + SCAN_STEPS * 2 * N, *sdt = sx + SCAN_STEPS * rpb, *sdA = sdt + SCAN_STEPS;
-    float S[R][E];
-#pragma unroll
-    for (int k = 0; k < R; k++) {
-        const float *st = ssm + ((size_t)h * P + (p0 + k < P ? p0 + k : 0)) * N + sub * E;
-#pragma unroll
-        for (int e = 0; e < E; e++) S[k][e] = p0 + k < P ? st[e] : 0.0f;
-    }
+    int rpb = blockDim.x / LR * 4, sub = threadIdx.x % LR, q = threadIdx.x / LR;
+    int h = blockIdx.x, p0 = blockIdx.y * rpb, g = h / (H / G), cv = di + 2 * G * N;
+    int buf_len = chunk * (2 * N + rpb + 1);   /* per buffer: B [chunk][N], C [chunk][N], x [chunk][rpb], dt [chunk] */
+    float *sdt = sm + 2 * buf_len, *sdA = sdt + SCAN_STEPS;
     float a = A[h], d = D[h], bias = dt_bias[h];
-    for (int t0 = 0; t0 < T; t0 += SCAN_STEPS) {
-        int steps = min(SCAN_STEPS, T - t0);
-        __syncthreads();   /* the previous chunk is consumed */
-        for (int i = threadIdx.x; i < steps * 2 * N; i += blockDim.x) {
-            int s = i / (2 * N), k = i % (2 * N);
-            sBC[i] = xbc[(size_t)(t0 + s) * cv + di + (k < N ? g * N + k : G * N + g * N + k - N)];
+    pdl_wait();
+    float S[4][E];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        int p = p0 + q * 4 + k;
+        const float *st = ssm + ((size_t)h * P + (p < P ? p : 0)) * N + sub;
+#pragma unroll
+        for (int e = 0; e < E; e++) S[k][e] = p < P ? st[e * LR] : 0.0f;
+    }
+    auto stage = [&](int t0, int buf) {   /* the inputs of steps t0 .. t0 + chunk - 1 into buffer buf */
+        int steps = min(chunk, T - t0);
+        float *sB = sm + buf * buf_len, *sC = sB + chunk * N, *sx = sC + chunk * N, *sraw = sx + chunk * rpb;
+        for (int s = 0; s < steps; s++) {
+            const float *r = xbc + (size_t)(t0 + s) * cv + di + g * N;
+            for (int k = threadIdx.x; k < N; k += blockDim.x) {
+                cp_async4(sB + s * N + k, r + k);
+                cp_async4(sC + s * N + k, r + G * N + k);
+            }
         }
         for (int i = threadIdx.x; i < steps * rpb; i += blockDim.x) {
-            int s = i / rpb, pp = blockIdx.y * rpb + i % rpb;
-            sx[i] = pp < P ? xbc[(size_t)(t0 + s) * cv + h * P + pp] : 0.0f;
+            int s = i / rpb, pp = p0 + i % rpb;
+            if (pp < P) cp_async4(sx + i, xbc + (size_t)(t0 + s) * cv + h * P + pp); else sx[i] = 0;
         }
-        for (int s = threadIdx.x; s < steps; s += blockDim.x) {
-            float raw = proj[(size_t)(t0 + s) * ld_proj + dt_off + h] + bias;
-            float dt = raw > 20.0f ? raw : log1pf(__expf(raw));
-            sdt[s] = dt;
-            sdA[s] = __expf(dt * a);
+        for (int s = threadIdx.x; s < steps; s += blockDim.x) cp_async4(sraw + s, proj + (size_t)(t0 + s) * ld_proj + dt_off + h);
+        cp_async_commit();
+    };
+    stage(0, 0);
+    for (int t0 = 0, buf = 0; t0 < T; t0 += chunk, buf ^= 1) {
+        int steps = min(chunk, T - t0);
+        if (t0 + chunk < T) { stage(t0 + chunk, buf ^ 1); cp_async_wait<1>(); } else cp_async_wait<0>();
+        __syncthreads();   /* this chunk's inputs have landed, for every thread */
+        const float *sB = sm + buf * buf_len, *sC = sB + chunk * N, *sx = sC + chunk * N, *sraw = sx + chunk * rpb;
+        if (threadIdx.x < steps) {
+            float raw = sraw[threadIdx.x] + bias, dt = raw > 20.0f ? raw : log1pf(__expf(raw));
+            sdt[threadIdx.x] = dt;
+            sdA[threadIdx.x] = __expf(dt * a);
         }
         __syncthreads();
         for (int s = 0; s < steps; s++) {
-            float b[E], c[E], dt = sdt[s], dA = sdA[s];
-            const float4 *B4 = (const float4 *)(sBC + s * 2 * N + sub * E), *C4 = (const float4 *)(sBC + s * 2 * N + N + sub * E);
+            float dt = sdt[s], dA = sdA[s], b[E], c[E], v[4];
+            const float *xs = sx + s * rpb + q * 4;
 #pragma unroll
-            for (int e = 0; e < E / 4; e++) {
-                float4 bb = B4[e], cc = C4[e];
-                b[4 * e] = bb.x; b[4 * e + 1] = bb.y; b[4 * e + 2] = bb.z; b[4 * e + 3] = bb.w;
-                c[4 * e] = cc.x; c[4 * e + 1] = cc.y; c[4 * e + 2] = cc.z; c[4 * e + 3] = cc.w;
-            }
+            for (int e = 0; e < E; e++) { b[e] = sB[s * N + e * LR + sub]; c[e] = sC[s * N + e * LR + sub]; }
 #pragma unroll
-            for (int k = 0; k < R; k++) {
-                float xv = sx[s * rpb + q * R + k], dx = dt * xv, part = 0;
+            for (int k = 0; k < 4; k++) {
+                float dx = dt * xs[k], acc = 0;
 #pragma unroll
                 for (int e = 0; e < E; e++) {
-                    S[k][e] = dA * S[k][e] + dx * b[e];
-                    part += S[k][e] * c[e];
+                    S[k][e] = fmaf(dA, S[k][e], dx * b[e]);
+                    acc = fmaf(S[k][e], c[e], acc);
                 }
-                for (int o = LR / 2; o; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-                if (sub == 0 && p0 + k < P) y[(size_t)(t0 + s) * di + h * P + p0 + k] = part + d * xv;
+                v[k] = acc;
             }
+            /* reduce-scatter over the LR lanes: rows {0,1} | {2,3}, then one row each, then the rest */
+            int o = LR / 2, hi = (sub & o) != 0, hi2 = (sub & (o / 2)) != 0;
+            float k0 = (hi ? v[2] : v[0]) + __shfl_xor_sync(0xffffffffu, hi ? v[0] : v[2], o);
+            float k1 = (hi ? v[3] : v[1]) + __shfl_xor_sync(0xffffffffu, hi ? v[1] : v[3], o);
+            float r = (hi2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi2 ? k0 : k1, o / 2);
+            for (o /= 4; o; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+            int row = 2 * hi + hi2, p = p0 + q * 4 + row;
+            if ((sub & (LR / 4 - 1)) == 0 && p < P) y[(size_t)(t0 + s) * di + h * P + p] = r + d * xs[row];
         }
+        __syncthreads();   /* this buffer and sdt are free for the next chunk */
     }
 #pragma unroll
-    for (int k = 0; k < R; k++)
-        if (p0 + k < P) {
-            float *st = ssm + ((size_t)h * P + p0 + k) * N + sub * E;
+    for (int k = 0; k < 4; k++) {
+        int p = p0 + q * 4 + k;
+        if (p < P) {
+            float *out = ssm + ((size_t)h * P + p) * N + sub;
 #pragma unroll
-            for (int e = 0; e < E; e++) st[e] = S[k][e];
+            for (int e = 0; e < E; e++) out[e * LR] = S[k][e];
         }
+    }
 }
 
-/* Launches the scan for H heads of P channels, state size N: four rows per lane group where P allows. */
+/* Launches the scan for H heads of P channels, state size N (the launch reads its arguments at once,
+ * so a captured graph sees the same values). */
 static void ssm_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
                      const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di) {
-    int E = N <= 128 ? 4 : 8, LR = N / E, R = P % 4 == 0 && P >= 32 ? 4 : 1;
-    int threads = ((P / R * LR + 31) / 32) * 32;   /* P / R: R divides P when R > 1 */
-    if (threads > 256) threads = 256;
-    int rpb = threads / LR * R;
+    int LR = scan_lanes(N), threads = std::min((int)SCAN_THREADS, ((P + 3) / 4 * LR + 31) / 32 * 32);
+    int rpb = threads / LR * 4, chunk = N > 128 ? SCAN_STEPS / 2 : SCAN_STEPS;   /* shared memory under 48 KB */
+    size_t smem = (size_t)(2 * chunk * (2 * N + rpb + 1) + 2 * SCAN_STEPS) * sizeof(float);
     dim3 grid(H, cdiv(P, rpb));
-    size_t smem = (size_t)SCAN_STEPS * (2 * N + rpb + 2) * sizeof(float);
-#define SCAN(e, r) ssm_scan_kernel<e, r><<<grid, threads, smem, stream>>>(y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, H, P, N, G, di)
-    if (E == 4) { if (R == 4) SCAN(4, 4); else SCAN(4, 1); }
-    else { if (R == 4) SCAN(8, 4); else SCAN(8, 1); }
+#define SCAN(n) LAUNCH(grid, threads, smem, stream, ssm_scan_kernel<n>, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, chunk, H, P, G, di)
+    switch (N) {
+    case 8: SCAN(8); break;
+    case 16: SCAN(16); break;
+    case 32: SCAN(32); break;
+    case 64: SCAN(64); break;
+    case 128: SCAN(128); break;
+    default: SCAN(256);
+    }
 #undef SCAN
-    LAUNCH_CHECK();
 }
 
 /* u = y * silu(z), then RMSNorm over each group of gsize channels, times w: one block per (t, group) */
 __global__ void gated_norm_kernel(float *y, const float *z, int ldz, const float *w, int di, int gsize, float eps) {
+    pdl_wait();
     int t = blockIdx.x / (di / gsize), g = blockIdx.x % (di / gsize);
     float *yr = y + (size_t)t * di + g * gsize;
     const float *zr = z + (size_t)t * ldz + g * gsize;
@@ -446,6 +545,7 @@ __global__ void gated_norm_kernel(float *y, const float *z, int ldz, const float
 
 /* cache[pos + t] = k[t], v[t] */
 __global__ void kv_append_kernel(float *kc, float *vc, const float *qkv, int ld, int qw, int kw, const int *pos) {
+    pdl_wait();
     int t = blockIdx.x;
     size_t dst = (size_t)(*pos + t) * kw;
     for (int i = threadIdx.x; i < kw; i += blockDim.x) {
@@ -459,6 +559,7 @@ __global__ void kv_append_kernel(float *kc, float *vc, const float *qkv, int ld,
 __global__ void __launch_bounds__(128) attn_decode_kernel(
         float *part, const float *q, const float *kc, const float *vc, const int *pos, int kw, int hd,
         int group, int q0, int kv0, float scale, int splits) {
+    pdl_wait();
     int h = blockIdx.x, s = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int n = *pos + 1, j0 = s * SPLIT, j1 = min(n, j0 + SPLIT);
     float *out = part + ((size_t)h * splits + s) * (hd + 2);
@@ -466,13 +567,35 @@ __global__ void __launch_bounds__(128) attn_decode_kernel(
     const float *qh = q + h * hd;
     int kvh = (q0 + h) / group - kv0;
     float m = -INFINITY, l = 0, acc[8] = {0};             /* head_dim <= 256: 8 per lane */
-    for (int j = j0 + warp; j < j1; j += 4) {
-        const float *k = kc + (size_t)j * kw + kvh * hd, *v = vc + (size_t)j * kw + kvh * hd;
-        float dsum = 0;
-        for (int i = lane; i < hd; i += 32) dsum += qh[i] * k[i];
-        float sc = warp_sum(dsum) * scale, mn = fmaxf(m, sc), f = __expf(m - mn), e = __expf(sc - mn);
-        l = l * f + e;
-        for (int c = 0; c < 8; c++) if (lane + 32 * c < hd) acc[c] = acc[c] * f + e * v[lane + 32 * c];
+    for (int j = j0 + warp; j < j1; j += 16) {            /* four keys a warp at a time: their loads in flight together */
+        float sc[4], e[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            const float *k = kc + (size_t)(j + 4 * u) * kw + kvh * hd;
+            float dsum = 0;
+#pragma unroll
+            for (int c = 0; c < 8; c++) if (j + 4 * u < j1 && lane + 32 * c < hd) dsum += qh[lane + 32 * c] * k[lane + 32 * c];
+            sc[u] = dsum;
+        }
+        float mn = m;
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            sc[u] = j + 4 * u < j1 ? warp_sum(sc[u]) * scale : -INFINITY;
+            mn = fmaxf(mn, sc[u]);
+        }
+        float f = __expf(m - mn);
+        l *= f;
+#pragma unroll
+        for (int u = 0; u < 4; u++) { e[u] = __expf(sc[u] - mn); l += e[u]; }
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            if (lane + 32 * c >= hd) continue;
+            float a = acc[c] * f;
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                if (j + 4 * u < j1) a += e[u] * vc[(size_t)(j + 4 * u) * kw + kvh * hd + lane + 32 * c];
+            acc[c] = a;
+        }
         m = mn;
     }
     __shared__ float sm[4], sl[4], sacc[4][256];
@@ -495,6 +618,7 @@ __global__ void __launch_bounds__(128) attn_decode_kernel(
 
 /* out[h] = sum over splits of e^(m_s - M) acc_s / sum over splits of e^(m_s - M) l_s */
 __global__ void attn_combine_kernel(float *y, const float *part, const int *pos, int hd, int splits) {
+    pdl_wait();
     int h = blockIdx.x, used = min(splits, (*pos + SPLIT) / SPLIT);
     const float *p = part + (size_t)h * splits * (hd + 2);
     float M = -INFINITY, L = 0;
@@ -509,6 +633,7 @@ __global__ void attn_combine_kernel(float *y, const float *part, const int *pos,
 
 /* Prefill: scores row t (queries pos+t) -> causal softmax over keys 0..pos+t, zero beyond. */
 __global__ void softmax_causal_kernel(float *S, int n_keys, const int *pos) {
+    pdl_wait();
     float *row = S + (size_t)blockIdx.x * n_keys;
     int n = *pos + blockIdx.x + 1;
     float m = -INFINITY;
@@ -536,6 +661,7 @@ __global__ void softmax_causal_kernel(float *S, int n_keys, const int *pos) {
  * for the draw, thread k owns the k-th contiguous range, so the prefix over threads is in index order. */
 __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, float *p, int V, float temp, float topp,
                                                      uint64_t seed, uint64_t step) {
+    pdl_wait();
     __shared__ float sv[1024];
     __shared__ int si[1024];
     __shared__ double sd[1024];
@@ -609,22 +735,21 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
 static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi) {
     if (T == 1) {
         int wpr = W->rows >= 16384 ? 1 : W->rows >= 8192 ? 2 : W->rows >= 4096 ? 4 : 8;
+        while (wpr > 1 && (size_t)W->cols * (W->bf ? 2 : 4) / wpr < 8192) wpr /= 2;   /* >= 8 KB a warp: long streams */
         dim3 grid(cdiv(W->rows, 8 / wpr));
         if (W->bf) {
-            if (epi) gemv_kernel<1, EPI_RELU2><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols, wpr);
-            else gemv_kernel<1, EPI_NONE><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols, wpr);
+            if (epi) LAUNCH(grid, 256, 0, g->stream, gemv_kernel<1, EPI_RELU2>, out, W->w, W->ld, x, W->rows, W->cols, wpr);
+            else LAUNCH(grid, 256, 0, g->stream, gemv_kernel<1, EPI_NONE>, out, W->w, W->ld, x, W->rows, W->cols, wpr);
         } else {
-            if (epi) gemv_kernel<0, EPI_RELU2><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols, wpr);
-            else gemv_kernel<0, EPI_NONE><<<grid, 256, 0, g->stream>>>(out, W->w, W->ld, x, W->rows, W->cols, wpr);
+            if (epi) LAUNCH(grid, 256, 0, g->stream, gemv_kernel<0, EPI_RELU2>, out, W->w, W->ld, x, W->rows, W->cols, wpr);
+            else LAUNCH(grid, 256, 0, g->stream, gemv_kernel<0, EPI_NONE>, out, W->w, W->ld, x, W->rows, W->cols, wpr);
         }
-        LAUNCH_CHECK();
         return;
     }
     /* row-major out[T][rows] = x[T][cols] W^T is column-major out^T = W^T(op T of W's storage) x^T */
     const float one = 1.0f, zero = 0.0f;
     if (W->bf) {
-        to_bf16_kernel<<<T, 256, 0, g->stream>>>(g->act16, g->act_w, x, ldx, W->cols);
-        LAUNCH_CHECK();
+        LAUNCH(T, 256, 0, g->stream, to_bf16_kernel, g->act16, g->act_w, x, ldx, W->cols);
         CUBLAS_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, W->rows, T, W->cols, &one, W->w, CUDA_R_16BF, W->ld,
                                   g->act16, CUDA_R_16BF, g->act_w, &zero, out, CUDA_R_32F, ldo, CUBLAS_COMPUTE_32F,
                                   CUBLAS_GEMM_DEFAULT));
@@ -633,8 +758,7 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
                                   x, CUDA_R_32F, ldx, &zero, out, CUDA_R_32F, ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
     if (epi) {  /* relu^2 over the T dense rows (epi is only asked for with ldo == rows) */
-        relu2_kernel<<<cdiv((long)T * W->rows, 256), 256, 0, g->stream>>>(out, (size_t)T * W->rows);
-        LAUNCH_CHECK();
+        LAUNCH(cdiv((long)T * W->rows, 256), 256, 0, g->stream, relu2_kernel, out, (size_t)T * W->rows);
     }
 }
 
@@ -692,8 +816,7 @@ static int gpu_replay(Rank *r, const int *tok, int T, int pos) {
 static void gpu_embed(Rank *r, const int *tok, int T) {
     (void)tok;  /* already on the device (gpu_begin), so a captured step reads the current token */
     GpuRank *g = G(r);
-    embed_kernel<<<T, 256, 0, g->stream>>>(g->res, g->embed, g->embed_bf, g->tok, r->c->hidden);
-    LAUNCH_CHECK();
+    LAUNCH(dim3(cdiv(r->c->hidden, 256), T), 256, 0, g->stream, embed_kernel, g->res, g->embed, g->embed_bf, g->tok, r->c->hidden);
 }
 
 static void gpu_norm(Rank *r, int l, int how, int T) {
@@ -702,9 +825,8 @@ static void gpu_norm(Rank *r, int l, int how, int T) {
     const float *w = l < c->n_layers ? g->L[l].norm : g->norm_f;
     if (how == NORM_FUSED && g->devapi) {
         size_t off = (size_t)g->slot * r->t_max * c->hidden * sizeof(float);
-        fused_allreduce_norm_kernel<<<T < FUSED_BLOCKS ? T : FUSED_BLOCKS, NORM_THREADS, 0, g->stream>>>(
+        LAUNCH(T < FUSED_BLOCKS ? T : FUSED_BLOCKS, NORM_THREADS, 0, g->stream, fused_allreduce_norm_kernel,
             g->dev, g->win, off, g->x, g->res, w, T, c->hidden, c->eps);
-        LAUNCH_CHECK();
         g->slot ^= 1;
         return;
     }
@@ -713,8 +835,7 @@ static void gpu_norm(Rank *r, int l, int how, int T) {
         g->owed = g->red;
         g->slot ^= 1;
     }
-    rmsnorm_kernel<<<T, NORM_THREADS, 0, g->stream>>>(g->x, g->res, how == NORM_PLAIN ? NULL : g->owed, w, c->hidden, c->eps);
-    LAUNCH_CHECK();
+    LAUNCH(T, NORM_THREADS, 0, g->stream, rmsnorm_kernel, g->x, g->res, how == NORM_PLAIN ? NULL : g->owed, w, c->hidden, c->eps);
 }
 
 static void gpu_allreduce(Rank *r, int T) {
@@ -742,16 +863,13 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     const Shard *s = &r->s;
     int H = c->hidden, di = s->d_inner, cv = s->conv, in = s->in_proj, N = c->d_state;
     matmul(g, g->proj, in, g->x, H, T, &L->in_proj, EPI_NONE);
-    conv_kernel<<<dim3(cdiv(cv, 128), T), 128, 0, g->stream>>>(g->xbc, g->proj + di, in, L->conv_st, L->conv_w, L->conv_b, T, cv);
-    LAUNCH_CHECK();
+    LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, g->stream, conv_kernel, g->xbc, g->proj + di, in, L->conv_st, L->conv_w, L->conv_b, T, cv);
     if (T > 1) {
-        conv_state_kernel<<<cdiv(cv, 128), 128, 0, g->stream>>>(L->conv_st, g->proj + di, in, T, cv);
-        LAUNCH_CHECK();
+        LAUNCH(cdiv(cv, 128), 128, 0, g->stream, conv_state_kernel, L->conv_st, g->proj + di, in, T, cv);
     }
     ssm_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
              s->groups, di);
-    gated_norm_kernel<<<T * s->groups, 256, 0, g->stream>>>(g->y, g->proj, in, L->gnorm, di, di / s->groups, c->eps);
-    LAUNCH_CHECK();
+    LAUNCH(T * s->groups, 256, 0, g->stream, gated_norm_kernel, g->y, g->proj, in, L->gnorm, di, di / s->groups, c->eps);
     matmul(g, mixer_out(r), H, g->y, di, T, &L->out, EPI_NONE);
 }
 
@@ -763,14 +881,11 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
     int H = c->hidden, hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, w = qw + 2 * kw, group = c->n_heads / c->n_kv;
     float scale = 1.0f / sqrtf((float)hd);
     matmul(g, g->proj, w, g->x, H, T, &L->qkv, EPI_NONE);
-    kv_append_kernel<<<T, 256, 0, g->stream>>>(L->k, L->v, g->proj, w, qw, kw, g->pos);
-    LAUNCH_CHECK();
+    LAUNCH(T, 256, 0, g->stream, kv_append_kernel, L->k, L->v, g->proj, w, qw, kw, g->pos);
     if (T == 1) {
-        attn_decode_kernel<<<dim3(s->q, g->splits), 128, 0, g->stream>>>(g->part, g->proj, L->k, L->v, g->pos, kw, hd, group,
+        LAUNCH(dim3(s->q, g->splits), 128, 0, g->stream, attn_decode_kernel, g->part, g->proj, L->k, L->v, g->pos, kw, hd, group,
                                                                          s->q0, s->kv0, scale, g->splits);
-        LAUNCH_CHECK();
-        attn_combine_kernel<<<s->q, 128, 0, g->stream>>>(g->y, g->part, g->pos, hd, g->splits);
-        LAUNCH_CHECK();
+        LAUNCH(s->q, 128, 0, g->stream, attn_combine_kernel, g->y, g->part, g->pos, hd, g->splits);
     } else {
         /* per head: S = scale Q K^T over keys 0..pos+T-1; causal softmax; O = S V (fp32 cuBLAS) */
         int n_keys = pos + T;
@@ -779,8 +894,7 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
             int kvh = (s->q0 + h) / group - s->kv0;
             CUBLAS_CHECK(cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, n_keys, T, hd, &scale, L->k + kvh * hd, kw,
                                      g->proj + h * hd, w, &zero, g->scores, n_keys));
-            softmax_causal_kernel<<<T, 256, 0, g->stream>>>(g->scores, n_keys, g->pos);
-            LAUNCH_CHECK();
+            LAUNCH(T, 256, 0, g->stream, softmax_causal_kernel, g->scores, n_keys, g->pos);
             CUBLAS_CHECK(cublasSgemm(g->blas, CUBLAS_OP_N, CUBLAS_OP_N, hd, T, n_keys, &one, L->v + kvh * hd, kw, g->scores,
                                      n_keys, &zero, g->y + h * hd, qw));
         }
@@ -815,8 +929,7 @@ static void gpu_logits(Rank *r, int T, int all) {
 static int gpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t step) {
     GpuRank *g = G(r);
     int V = r->c->vocab;
-    sample_kernel<<<1, 1024, 0, g->stream>>>(g->sampled, g->logits + (size_t)(g->rows - 1) * V, g->probs, V, temp, topp, seed, step);
-    LAUNCH_CHECK();
+    LAUNCH(1, 1024, 0, g->stream, sample_kernel, g->sampled, g->logits + (size_t)(g->rows - 1) * V, g->probs, V, temp, topp, seed, step);
     CUDA_CHECK(cudaMemcpyAsync(g->host_io, g->sampled, sizeof(int), cudaMemcpyDeviceToHost, g->stream));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
     return g->host_io[0];
@@ -847,10 +960,10 @@ static void *gpu_setup(const Config *c, int n, int t_max, int logit_rows) {
     int have = cuda_devices();
     if (n > have) { fprintf(stderr, "nemoh: --tp %d: only %d GPU%s visible\n", n, have, have == 1 ? "" : "s"); exit(1); }
     if (has_kind(c, 'M')) {
-        int E = c->d_state <= 128 ? 4 : 8;
-        if (c->d_conv != 4 || c->d_state % E || (c->d_state / E) & (c->d_state / E - 1) || c->d_state / E > 32) {
-            fprintf(stderr, "nemoh: the CUDA backend needs conv_kernel 4 and ssm_state_size 8..256 a power-of-two "
-                            "multiple of 4 (have %d, %d); use --cpu\n", c->d_conv, c->d_state);
+        int N = c->d_state;
+        if (c->d_conv != 4 || N < 8 || N > 256 || (N & (N - 1))) {
+            fprintf(stderr, "nemoh: the CUDA backend needs conv_kernel 4 and ssm_state_size a power of two in 8..256 "
+                            "(have %d, %d); use --cpu\n", c->d_conv, c->d_state);
             exit(1);
         }
     }
@@ -893,8 +1006,7 @@ static GMat upload_mat(const Mat *parts, int n_parts) {
     CUDA_CHECK(cudaMalloc(&m.w, bytes));
     CUDA_CHECK(cudaMemset(m.w, 0, bytes));
     if (!parts[0].data) {
-        fill_kernel<<<1024, 256>>>(m.w, m.bf, bytes / es, sqrtf(3.0f / m.cols), synth_seed++);  /* pad included: harmless */
-        LAUNCH_CHECK();
+        LAUNCH(1024, 256, 0, 0, fill_kernel, m.w, m.bf, bytes / es, sqrtf(3.0f / m.cols), synth_seed++);  /* pad included: harmless */
         return m;
     }
     char *row = (char *)malloc((size_t)m.ld * es);
@@ -1228,13 +1340,12 @@ static void ar_rank(ArBench *b) {
             for (int it = 0; it < AR_ITERS; it++) {
                 int s = it & 1;  /* alternate the two slots, as the layer loop does */
                 if (path == 0 && devapi) {
-                    fused_allreduce_norm_kernel<<<T < FUSED_BLOCKS ? T : FUSED_BLOCKS, NORM_THREADS, 0, st>>>(
+                    LAUNCH(T < FUSED_BLOCKS ? T : FUSED_BLOCKS, NORM_THREADS, 0, st, fused_allreduce_norm_kernel,
                         dev, win, s * slot * sizeof(float), x, res, w, T, H, 1e-5f);
                 } else {
                     NCCL_CHECK(ncclAllReduce(pend + s * slot, red, cnt, ncclFloat, ncclSum, b->comm, st));
-                    rmsnorm_kernel<<<T, NORM_THREADS, 0, st>>>(x, res, red, w, H, 1e-5f);
+                    LAUNCH(T, NORM_THREADS, 0, st, rmsnorm_kernel, x, res, red, w, H, 1e-5f);
                 }
-                LAUNCH_CHECK();
             }
             CUDA_CHECK(cudaStreamEndCapture(st, &graph));
             CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));

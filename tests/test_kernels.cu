@@ -113,8 +113,7 @@ static void test_norms(int H, int T) {
     std::vector<float> res = rand_vec((size_t)T * H, 3.0f), add = rand_vec((size_t)T * H), w = rand_vec(H);
     for (int with_add = 0; with_add < 2; with_add++) {
         float *dres = dev_copy(res), *dadd = dev_copy(add), *dw = dev_copy(w), *dx = dev_copy(std::vector<float>((size_t)T * H));
-        rmsnorm_kernel<<<T, NORM_THREADS>>>(dx, dres, with_add ? dadd : NULL, dw, H, 1e-5f);
-        LAUNCH_CHECK();
+        LAUNCH(T, NORM_THREADS, 0, 0, rmsnorm_kernel, dx, dres, with_add ? dadd : NULL, dw, H, 1e-5f);
         std::vector<double> rx((size_t)T * H), rr((size_t)T * H);
         for (int t = 0; t < T; t++) {
             double ss = 0;
@@ -140,8 +139,7 @@ static void test_norms(int H, int T) {
     int *dtok;
     CUDA_CHECK(cudaMalloc(&dtok, T * sizeof(int)));
     CUDA_CHECK(cudaMemcpy(dtok, tok.data(), T * sizeof(int), cudaMemcpyHostToDevice));
-    embed_kernel<<<T, 256>>>(dres, dt, 0, dtok, H);
-    LAUNCH_CHECK();
+    LAUNCH(dim3(cdiv(H, 256), T), 256, 0, 0, embed_kernel, dres, dt, 0, dtok, H);
     std::vector<double> ref((size_t)T * H);
     for (int t = 0; t < T; t++) for (int i = 0; i < H; i++) ref[(size_t)t * H + i] = table[(size_t)tok[t] * H + i];
     expect("embedding gather", host_copy(dres, ref.size()), ref, 0);
@@ -159,20 +157,17 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
     std::vector<double> conv_st((size_t)cv * 3, 0.0), ssm((size_t)di * N, 0.0);
     float *d_cw = dev_copy(cw), *d_cb = dev_copy(cb), *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb);
     float *d_gw = dev_copy(gw), *d_cst = dev_copy(std::vector<float>((size_t)cv * 3)), *d_ssm = dev_copy(std::vector<float>((size_t)di * N));
-    int E = N <= 128 ? 4 : 8, LR = N / E;
+    int LR = scan_lanes(N);
     for (int T : steps) {
         std::vector<float> proj = rand_vec((size_t)T * in);
         float *d_proj = dev_copy(proj), *d_xbc = dev_copy(std::vector<float>((size_t)T * cv)), *d_y = dev_copy(std::vector<float>((size_t)T * di));
-        conv_kernel<<<dim3(cdiv(cv, 128), T), 128>>>(d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv);
-        LAUNCH_CHECK();
+        LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv);
         if (T > 1) {
-            conv_state_kernel<<<cdiv(cv, 128), 128>>>(d_cst, d_proj + di, in, T, cv);
-            LAUNCH_CHECK();
+            LAUNCH(cdiv(cv, 128), 128, 0, 0, conv_state_kernel, d_cst, d_proj + di, in, T, cv);
         }
         ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
         std::vector<float> y_scan = host_copy(d_y, (size_t)T * di);
-        gated_norm_kernel<<<T * G, 256>>>(d_y, d_proj, in, d_gw, di, di / G, 1e-5f);
-        LAUNCH_CHECK();
+        LAUNCH(T * G, 256, 0, 0, gated_norm_kernel, d_y, d_proj, in, d_gw, di, di / G, 1e-5f);
         /* host, float64: the same steps as nemoh.c's cpu_mamba */
         std::vector<double> xbc((size_t)T * cv), y((size_t)T * di), u((size_t)T * di);
         for (int c = 0; c < cv; c++) {
@@ -218,7 +213,7 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
         expect(what, host_copy(d_xbc, xbc.size()), xbc, 2e-6);
         snprintf(what, sizeof what, "conv1d state after those steps");
         expect(what, host_copy(d_cst, cst_ref.size()), cst_ref, 0);
-        snprintf(what, sizeof what, "selective scan output (N %d, %d lanes/row)", N, LR);
+        snprintf(what, sizeof what, "selective scan output (N %d, %d lanes per 4 rows)", N, LR);
         expect(what, y_scan, y, 2e-5);
         snprintf(what, sizeof what, "selective scan state after those steps");
         expect(what, host_copy(d_ssm, st_ref.size()), st_ref, 2e-5);
@@ -239,12 +234,9 @@ static void test_attention(int q, int kv, int hd, int pos) {
     CUDA_CHECK(cudaMalloc(&d_pos, sizeof(int)));
     CUDA_CHECK(cudaMemcpy(d_pos, &pos, sizeof(int), cudaMemcpyHostToDevice));
     float scale = 1.0f / sqrtf((float)hd);
-    kv_append_kernel<<<1, 256>>>(d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
-    LAUNCH_CHECK();
-    attn_decode_kernel<<<dim3(q, splits), 128>>>(d_part, d_qkv, d_k, d_v, d_pos, kw, hd, group, 0, 0, scale, splits);
-    LAUNCH_CHECK();
-    attn_combine_kernel<<<q, 128>>>(d_y, d_part, d_pos, hd, splits);
-    LAUNCH_CHECK();
+    LAUNCH(1, 256, 0, 0, kv_append_kernel, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
+    LAUNCH(dim3(q, splits), 128, 0, 0, attn_decode_kernel, d_part, d_qkv, d_k, d_v, d_pos, kw, hd, group, 0, 0, scale, splits);
+    LAUNCH(q, 128, 0, 0, attn_combine_kernel, d_y, d_part, d_pos, hd, splits);
     for (int i = 0; i < kw; i++) { kc[(size_t)pos * kw + i] = qkv[q * hd + i]; vc[(size_t)pos * kw + i] = qkv[q * hd + kw + i]; }
     std::vector<double> ref((size_t)q * hd);
     for (int h = 0; h < q; h++) {
@@ -273,8 +265,7 @@ static void test_attention(int q, int kv, int hd, int pos) {
     int T = 5, nk = pos + T;
     std::vector<float> S = rand_vec((size_t)T * nk, 4.0f);
     float *d_S = dev_copy(S);
-    softmax_causal_kernel<<<T, 256>>>(d_S, nk, d_pos);
-    LAUNCH_CHECK();
+    LAUNCH(T, 256, 0, 0, softmax_causal_kernel, d_S, nk, d_pos);
     std::vector<double> sref((size_t)T * nk, 0.0);
     for (int t = 0; t < T; t++) {
         double m = -1e300, sum = 0;
@@ -319,8 +310,7 @@ static void test_sampling(int V) {
     float *dl = dev_copy(l), *dp = dev_copy(std::vector<float>(V));
     int *dout, got;
     CUDA_CHECK(cudaMalloc(&dout, sizeof(int)));
-    sample_kernel<<<1, 1024>>>(dout, dl, dp, V, 0.0f, 1.0f, 1, 0);
-    LAUNCH_CHECK();
+    LAUNCH(1, 1024, 0, 0, sample_kernel, dout, dl, dp, V, 0.0f, 1.0f, 1, 0);
     CUDA_CHECK(cudaMemcpy(&got, dout, sizeof(int), cudaMemcpyDeviceToHost));
     char what[128];
     snprintf(what, sizeof what, "greedy: argmax over %d logits, first of two tied maxima", V);
@@ -330,8 +320,7 @@ static void test_sampling(int V) {
     for (int k = 0; k < trials; k++) {
         float temp = 0.3f + 1.5f * (uni() + 1) / 2, topp = k % 4 == 0 ? 1.0f : 0.2f + 0.75f * (uni() + 1) / 2;
         uint64_t seed = rng(), step = rng() % 1000;
-        sample_kernel<<<1, 1024>>>(dout, dl, dp, V, temp, topp, seed, step);
-        LAUNCH_CHECK();
+        LAUNCH(1, 1024, 0, 0, sample_kernel, dout, dl, dp, V, temp, topp, seed, step);
         CUDA_CHECK(cudaMemcpy(&got, dout, sizeof(int), cudaMemcpyDeviceToHost));
         std::vector<float> p = host_copy(dp, V);
         for (int i = 0; i < V; i++) perr = fmax(perr, fabs(p[i] - exp((l[i] - 9.0) / temp)));
@@ -345,6 +334,28 @@ static void test_sampling(int V) {
     CUDA_CHECK(cudaFree(dl));
     CUDA_CHECK(cudaFree(dp));
     CUDA_CHECK(cudaFree(dout));
+}
+
+/* Not a check: the selective scan's time at one layer of a model's shape, for T steps. */
+static void time_scan(int H, int P, int G, int N, int T) {
+    int di = H * P, cv = di + 2 * G * N, in = di + cv + H;
+    std::vector<float> A(H, -1.0f), D(H, 1.0f), dtb(H, -3.0f);
+    float *d_proj = dev_copy(rand_vec((size_t)T * in, 0.5f)), *d_xbc = dev_copy(rand_vec((size_t)T * cv, 0.5f));
+    float *d_y = dev_copy(std::vector<float>((size_t)T * di)), *d_ssm = dev_copy(std::vector<float>((size_t)di * N));
+    float *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb);
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    int reps = T > 1 ? 5 : 200;
+    ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
+    CUDA_CHECK(cudaEventRecord(e0, 0));
+    for (int i = 0; i < reps; i++) ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
+    CUDA_CHECK(cudaEventRecord(e1, 0));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    printf("# selective scan %d heads x %d, N %d, G %d, %d step%s: %.1f us\n", H, P, N, G, T, T > 1 ? "s" : "", ms * 1e3 / reps);
+    for (float *p : {d_proj, d_xbc, d_y, d_ssm, d_A, d_D, d_dtb}) CUDA_CHECK(cudaFree(p));
 }
 
 /* Not a check: the bandwidth the one-token product reaches at the 8B model's in_proj shape. */
@@ -396,7 +407,10 @@ int main(int argc, char **argv) {
     test_sampling(131072);
     time_gemv(18560, 4096);
     time_gemv(4096, 21504);
+    time_gemv(4096, 8192);
     time_gemv(131072, 4096);
+    time_scan(128, 64, 8, 128, 2048);
+    time_scan(128, 64, 8, 128, 1);
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }

@@ -40,7 +40,7 @@ def run(p, n):
     return t1 - t0, time.time() - t1
 
 
-run(prompt[:, :16], 4)  # warm-up
+run(prompt, 4)  # warm-up, the same prompt (as nemoh --bench does)
 pre, dec = run(prompt, N)
 print(f"| HF transformers {__import__('transformers').__version__} bf16 (pure-torch Mamba path) | {name} | "
       f"{P / pre:.0f} tok/s prefill ({P} tokens) | {dec * 1e3 / (N - 1):.2f} ms/token decode ({N} tokens) | "
