@@ -466,7 +466,8 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
             sdA[threadIdx.x] = __expf(dt * a);
         }
         __syncthreads();
-        for (int s = 0; s < steps; s++) {
+#pragma unroll 2
+        for (int s = 0; s < steps; s++) {   /* two steps interleaved: more independent work per warp */
             float dt = sdt[s], dA = sdA[s], b[E], c[E], v[4];
             const float *xs = sx + s * rpb + q * 4;
 #pragma unroll
