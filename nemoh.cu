@@ -178,6 +178,9 @@ __global__ void embed_kernel(float *res, const void *emb, int bf, const int *tok
  * together: a norm costs a couple of memory round trips, not one per element. */
 __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, float *res, const float *add, const float *w, int H,
                                                               float eps) {
+    float wv[NORM_PER];   /* the norm weight: read before the wait, off the critical path */
+#pragma unroll
+    for (int k = 0; k < NORM_PER; k++) wv[k] = threadIdx.x + k * NORM_THREADS < H ? w[threadIdx.x + k * NORM_THREADS] : 0.0f;
     pdl_wait();
     float *r = res + (size_t)blockIdx.x * H, v[NORM_PER], ss = 0;
 #pragma unroll
@@ -192,7 +195,7 @@ __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, float *
         int i = threadIdx.x + k * NORM_THREADS;
         if (i < H) {
             if (add) r[i] = v[k];
-            x[(size_t)blockIdx.x * H + i] = v[k] * scale * w[i];
+            x[(size_t)blockIdx.x * H + i] = v[k] * scale * wv[k];
         }
     }
 }
@@ -209,6 +212,9 @@ __global__ void __launch_bounds__(NORM_THREADS) fused_allreduce_norm_kernel(
     __shared__ const float *peer[64];   /* each rank's slot, as this GPU addresses it (fixed: before the wait) */
     int n = dev.lsaSize;
     for (int p = threadIdx.x; p < n; p += blockDim.x) peer[p] = (const float *)ncclGetLsaPointer(win, offset, p);
+    float wv[NORM_PER];
+#pragma unroll
+    for (int k = 0; k < NORM_PER; k++) wv[k] = threadIdx.x + k * NORM_THREADS < H ? w[threadIdx.x + k * NORM_THREADS] : 0.0f;
     pdl_wait();
     if (n > 1) {   /* alone, there is nobody to wait for: the barrier would be pure cost */
         ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x);
@@ -217,7 +223,9 @@ __global__ void __launch_bounds__(NORM_THREADS) fused_allreduce_norm_kernel(
         __syncthreads();
     }
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
-        float *r = res + (size_t)t * H, v[NORM_PER] = {}, ss = 0;
+        float *r = res + (size_t)t * H, v[NORM_PER] = {}, rv[NORM_PER], ss = 0;
+#pragma unroll
+        for (int k = 0; k < NORM_PER; k++) rv[k] = threadIdx.x + k * NORM_THREADS < H ? r[threadIdx.x + k * NORM_THREADS] : 0.0f;
         for (int p = 0; p < n; p++) {   /* rank order: identical on every rank; a rank's loads all in flight */
             const float *src = peer[p] + (size_t)t * H;
 #pragma unroll
@@ -228,8 +236,7 @@ __global__ void __launch_bounds__(NORM_THREADS) fused_allreduce_norm_kernel(
         }
 #pragma unroll
         for (int k = 0; k < NORM_PER; k++) {
-            int i = threadIdx.x + k * NORM_THREADS;
-            if (i < H) v[k] += r[i];
+            v[k] += rv[k];   /* res + (sum of the ranks), as ncclAllReduce then an add would give */
             ss += v[k] * v[k];
         }
         float scale = rsqrtf(block_sum(ss) / H + eps);
@@ -238,7 +245,7 @@ __global__ void __launch_bounds__(NORM_THREADS) fused_allreduce_norm_kernel(
             int i = threadIdx.x + k * NORM_THREADS;
             if (i < H) {
                 r[i] = v[k];
-                x[(size_t)t * H + i] = v[k] * scale * w[i];
+                x[(size_t)t * H + i] = v[k] * scale * wv[k];
             }
         }
     }
@@ -524,21 +531,40 @@ static void ssm_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc
 #undef SCAN
 }
 
-/* u = y * silu(z), then RMSNorm over each group of gsize channels, times w: one block per (t, group) */
-__global__ void gated_norm_kernel(float *y, const float *z, int ldz, const float *w, int di, int gsize, float eps) {
-    pdl_wait();
+/* u = y * silu(z), then RMSNorm over each group of gsize channels, times w: one block per (t, group),
+ * its gsize <= GN_PER * blockDim values held in registers (see gated_norm_threads), so the loads of y,
+ * z and w are all in flight together. */
+enum { GN_PER = 8 };
+
+__global__ void __launch_bounds__(1024) gated_norm_kernel(float *y, const float *z, int ldz, const float *w, int di,
+                                                          int gsize, float eps) {
     int t = blockIdx.x / (di / gsize), g = blockIdx.x % (di / gsize);
+    float wv[GN_PER], u[GN_PER], ss = 0;
+#pragma unroll
+    for (int k = 0; k < GN_PER; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        wv[k] = i < gsize ? w[g * gsize + i] : 0.0f;
+    }
+    pdl_wait();
     float *yr = y + (size_t)t * di + g * gsize;
     const float *zr = z + (size_t)t * ldz + g * gsize;
-    float ss = 0;
-    for (int i = threadIdx.x; i < gsize; i += blockDim.x) {
-        float zv = zr[i], u = yr[i] * zv / (1.0f + __expf(-zv));
-        yr[i] = u;
-        ss += u * u;
+#pragma unroll
+    for (int k = 0; k < GN_PER; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        float zv = i < gsize ? zr[i] : 0.0f;
+        u[k] = i < gsize ? yr[i] * zv / (1.0f + __expf(-zv)) : 0.0f;
+        ss += u[k] * u[k];
     }
     float scale = rsqrtf(block_sum(ss) / gsize + eps);
-    for (int i = threadIdx.x; i < gsize; i += blockDim.x) yr[i] *= scale * w[g * gsize + i];
+#pragma unroll
+    for (int k = 0; k < GN_PER; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        if (i < gsize) yr[i] = u[k] * scale * wv[k];
+    }
 }
+
+/* Threads for a gated norm group of gsize channels (at most GN_PER * 1024, checked at setup). */
+static int gated_norm_threads(int gsize) { return std::min(1024, (cdiv(gsize, GN_PER) + 31) / 32 * 32); }
 
 /* ------------------------------------------------------------------------------------------------
  * Kernels: attention (no positional encoding, causal, GQA)
@@ -870,7 +896,7 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     }
     ssm_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
              s->groups, di);
-    LAUNCH(T * s->groups, 256, 0, g->stream, gated_norm_kernel, g->y, g->proj, in, L->gnorm, di, di / s->groups, c->eps);
+    LAUNCH(T * s->groups, gated_norm_threads(di / s->groups), 0, g->stream, gated_norm_kernel, g->y, g->proj, in, L->gnorm, di, di / s->groups, c->eps);
     matmul(g, mixer_out(r), H, g->y, di, T, &L->out, EPI_NONE);
 }
 
@@ -967,6 +993,10 @@ static void *gpu_setup(const Config *c, int n, int t_max, int logit_rows) {
                             "(have %d, %d); use --cpu\n", c->d_conv, c->d_state);
             exit(1);
         }
+    }
+    if (has_kind(c, 'M') && c->m_heads * c->m_hdim / c->n_groups > GN_PER * 1024) {
+        fprintf(stderr, "nemoh: the CUDA backend needs mamba groups of at most %d channels; use --cpu\n", GN_PER * 1024);
+        exit(1);
     }
     if (c->head_dim > 256) { fprintf(stderr, "nemoh: the CUDA backend needs head_dim <= 256; use --cpu\n"); exit(1); }
     if (c->hidden > NORM_PER * NORM_THREADS || c->hidden % 8) {

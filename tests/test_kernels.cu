@@ -167,7 +167,7 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
         }
         ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
         std::vector<float> y_scan = host_copy(d_y, (size_t)T * di);
-        LAUNCH(T * G, 256, 0, 0, gated_norm_kernel, d_y, d_proj, in, d_gw, di, di / G, 1e-5f);
+        LAUNCH(T * G, gated_norm_threads(di / G), 0, 0, gated_norm_kernel, d_y, d_proj, in, d_gw, di, di / G, 1e-5f);
         /* host, float64: the same steps as nemoh.c's cpu_mamba */
         std::vector<double> xbc((size_t)T * cv), y((size_t)T * di), u((size_t)T * di);
         for (int c = 0; c < cv; c++) {
@@ -399,6 +399,7 @@ int main(int argc, char **argv) {
     test_mamba(8, 64, 4, 128, {3, 1});
     test_mamba(4, 12, 2, 256, {20, 1});
     test_mamba(2, 80, 1, 128, {40, 1});   /* P = 80: rows of one head across blocks */
+    test_mamba(32, 64, 1, 64, {2, 1});    /* one group of 2048 channels for the gated norm */
     test_attention(4, 2, 20, 0);
     test_attention(6, 3, 8, 7);
     test_attention(8, 2, 128, 300);
