@@ -511,12 +511,12 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
     }
 }
 
-/* Launches the scan for H heads of P channels, state size N (the launch reads its arguments at once,
- * so a captured graph sees the same values). */
+/* Launches the scan for H heads of P channels, state size N: groups of four rows, a block of at most
+ * SCAN_THREADS, half the chunk at N = 256 to stay under 48 KB of shared memory. */
 static void ssm_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
                      const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di) {
     int LR = scan_lanes(N), threads = std::min((int)SCAN_THREADS, ((P + 3) / 4 * LR + 31) / 32 * 32);
-    int rpb = threads / LR * 4, chunk = N > 128 ? SCAN_STEPS / 2 : SCAN_STEPS;   /* shared memory under 48 KB */
+    int rpb = threads / LR * 4, chunk = N > 128 ? SCAN_STEPS / 2 : SCAN_STEPS;
     size_t smem = (size_t)(2 * chunk * (2 * N + rpb + 1) + 2 * SCAN_STEPS) * sizeof(float);
     dim3 grid(H, cdiv(P, rpb));
 #define SCAN(n) LAUNCH(grid, threads, smem, stream, ssm_scan_kernel<n>, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, chunk, H, P, G, di)
