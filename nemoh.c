@@ -1207,7 +1207,11 @@ static void tok_decodes_to(Tokenizer *t, int id, const char *s, int n) {
     for (int i = 0, r; i < n; i += r) {
         unsigned cp;
         r = utf8_check((const unsigned char *)s + i, (size_t)(n - i), &cp);
-        if (r <= 0 || cp >= 0x144 || t->char_byte[cp] < 0) { t->off[id] = off, t->len[id] = n; return; }
+        if (r <= 0 || cp >= 0x144 || t->char_byte[cp] < 0) {   /* undo the bytes written so far */
+            memcpy(t->bytes + off, s, (size_t)n);
+            t->off[id] = off, t->len[id] = n;
+            return;
+        }
         t->bytes[off + k++] = (char)t->char_byte[cp];
     }
     t->off[id] = off, t->len[id] = k;

@@ -15,7 +15,8 @@
 //       token after $A, added tokens that overlap, nest and differ in `normalized` (HF matches
 //       normalized=false ones first), an added token spelled in byte-level characters, vocab
 //       tokens that are not byte-level, a merge listed twice, ignore_merges with vocab tokens
-//       (like "hello") that the merges alone would not build.
+//       (like "hello") that the merges alone would not build, an added token whose characters are
+//       only partly byte-level ("café au lait": it decodes to itself).
 //
 //   cd tools && npm ci && node make_tokenizers.js
 'use strict';
@@ -134,7 +135,7 @@ function edge() {
     single_word: false, lstrip: false, rstrip: false, normalized, special: true });
   const added = [special('<bos>', false), special('<eos>', false), special('<|endoftext|>', true),
     special('text|>', false), special('ab', true), special('abc', true), special('bcd', true),
-    special('\u0120hi', false), special('<s>', false)];
+    special('\u0120hi', false), special('<s>', false), special('café au lait', false)];
   const tj = {
     version: '1.0', truncation: null, padding: null, added_tokens: added, normalizer: null,
     pre_tokenizer: { type: 'Sequence', pretokenizers: [
