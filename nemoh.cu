@@ -1318,7 +1318,7 @@ static double host_check(const float *got_x, const float *got_res, const std::ve
         double scale = 1.0 / sqrt(ss / H + eps);
         for (int i = 0; i < H; i++) {
             double ref = r[i] * scale * w[i], d = fabs(ref - got_x[(size_t)t * H + i]) / (fabs(ref) + 1e-3);
-            if (d > worst) worst = d;
+            if (isnan(d) || d > worst) worst = d;   /* a NaN stays the worst: the check fails */
         }
     }
     return worst;
@@ -1396,7 +1396,7 @@ static void ar_rank(ArBench *b) {
             CUDA_CHECK(cudaMemcpy(gres.data(), res, cnt * sizeof(float), cudaMemcpyDeviceToHost));
             int exact;
             double err = host_check(gx.data(), gres.data(), hres, sum, hw, T, H, AR_REPS * AR_ITERS, 1e-5f, &exact);
-            if (err > 1e-4 || !exact) {
+            if (!(err <= 1e-4) || !exact) {   /* NaN fails too */
                 b->bad[si]++;
                 fprintf(stderr, "nemoh: rank %d: %s at %d tokens: residual %s, norm error %.2g\n", b->rank,
                         path ? "ncclAllReduce + norm" : "fused kernel", T, exact ? "exact" : "WRONG", err);

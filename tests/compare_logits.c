@@ -25,7 +25,8 @@ int main(int argc, char **argv) {
     if (na != nb || na == 0) { printf("size mismatch: %ld vs %ld floats\n", na, nb); return 1; }
     for (long i = 0; i < na; i++) {
         double d = fabs((double)a[i] - b[i]);
-        if (!(d <= worst)) { worst = d; at = i; }   /* NaN compares false: it becomes the worst */
+        if (isnan(d)) { worst = d; at = i; break; }   /* a NaN fails, wherever it stands */
+        if (d > worst) { worst = d; at = i; }
     }
     printf("max |diff| %.3g at element %ld of %ld (tolerance %.3g)\n", worst, at, na, tol);
     free(a);
