@@ -361,6 +361,15 @@ typedef struct {
 static const char *dtype_name[] = {"F32", "BF16", "F16"};
 static const int dtype_size[] = {4, 2, 2};
 
+/* A new tensor slot at the end of ck->t, the array doubled when full. */
+static Tensor *ck_add(Checkpoint *ck) {
+    if (ck->n == ck->cap) {
+        ck->cap = ck->cap ? 2 * ck->cap : 256;
+        if (!(ck->t = realloc(ck->t, (size_t)ck->cap * sizeof(Tensor)))) die("out of memory");
+    }
+    return &ck->t[ck->n++];
+}
+
 typedef struct { size_t begin, end; const char *name; } Span;
 
 static int span_cmp(const void *a, const void *b) {
@@ -426,12 +435,7 @@ static void st_open(Checkpoint *ck, const char *path) {
         t.data = data + (size_t)b;
         t.file = mf->path;
         spans[n_spans++] = (Span){(size_t)b, (size_t)en, t.name};
-        if (ck->n == ck->cap) {
-            ck->cap = ck->cap ? 2 * ck->cap : 256;
-            ck->t = realloc(ck->t, (size_t)ck->cap * sizeof(Tensor));
-            if (!ck->t) die("out of memory");
-        }
-        ck->t[ck->n++] = t;
+        *ck_add(ck) = t;
     }
     qsort(spans, (size_t)n_spans, sizeof(Span), span_cmp);
     for (int i = 1; i < n_spans; i++)
@@ -623,8 +627,7 @@ static void config_load(Config *c, const char *dir) {
         cfg_require(root, path, "use_bias", 0);
     }
     if (!c->vocab || !c->hidden || !c->ctx) die("%s: vocab_size, hidden_size and max_position_embeddings must be positive", path);
-    const Json *bos = json_get(root, "bos_token_id"), *eos = json_get(root, "eos_token_id");
-    c->bos = bos && bos->type == J_NUM ? (int)bos->num : -1;
+    const Json *eos = json_get(root, "eos_token_id");
     if (eos && eos->type == J_ARR) {
         for (const Json *e = eos->child; e && c->n_eos < MAX_EOS; e = e->next)
             if (e->type == J_NUM) c->eos[c->n_eos++] = (int)e->num;
@@ -1537,22 +1540,25 @@ static void cpu_embed(Rank *r, const int *tok, int T) {
         for (int i = 0; i < H; i++) st->res[(size_t)t * H + i] = load_f32(r->w.embed.data, r->w.embed.dtype, (size_t)tok[t] * r->w.embed.ld + i);
 }
 
-/* sum = pend_0 + pend_1 + ... in rank order, so every rank gets bit-identical sums. The barriers:
- * before, every rank has written its partial sums; after, none overwrites them while others read. */
-static void host_allreduce(Rank *r, float *sum, int T) {
+/* sum = pend_0 + pend_1 + ... in rank order, so every rank gets bit-identical sums; returns sum (at
+ * one rank, pend_0 itself). The barriers: before, every rank has written its partial sums; after,
+ * none overwrites them while others read. */
+static const float *host_allreduce(Rank *r, float *sum, int T) {
     CpuShared *sh = r->sh;
     size_t n = (size_t)T * r->c->hidden;
+    if (sh->n == 1) return sh->pend[0];   /* alone: the sum is what this rank owes */
     pthread_barrier_wait(&sh->bar);
     memcpy(sum, sh->pend[0], n * sizeof(float));
     for (int k = 1; k < sh->n; k++)
         for (size_t i = 0; i < n; i++) sum[i] += sh->pend[k][i];
     pthread_barrier_wait(&sh->bar);
+    return sum;
 }
 
 static void cpu_allreduce(Rank *r, int T) {
     CpuState *st = r->st;
-    host_allreduce(r, st->sum, T);
-    memcpy(st->pend, st->sum, (size_t)T * r->c->hidden * sizeof(float));
+    const float *sum = host_allreduce(r, st->sum, T);
+    if (sum != st->pend) memcpy(st->pend, sum, (size_t)T * r->c->hidden * sizeof(float));
 }
 
 static void cpu_norm(Rank *r, int l, int how, int T) {
@@ -1560,10 +1566,7 @@ static void cpu_norm(Rank *r, int l, int how, int T) {
     int H = r->c->hidden;
     const float *w = l < r->c->n_layers ? r->w.layer[l].norm : r->w.norm_f;
     const float *add = how == NORM_PLAIN ? NULL : st->pend;
-    if (how == NORM_FUSED) {   /* the deferred all-reduce, then the add and the norm, in one pass */
-        host_allreduce(r, st->sum, T);
-        add = st->sum;
-    }
+    if (how == NORM_FUSED) add = host_allreduce(r, st->sum, T);   /* the deferred all-reduce, then add + norm */
     for (int t = 0; t < T; t++) {
         float *res = st->res + (size_t)t * H;
         if (add) for (int i = 0; i < H; i++) res[i] += add[(size_t)t * H + i];
@@ -1961,7 +1964,7 @@ static void preset_config(Config *c, const Preset *p) {
     c->vocab = p->vocab; c->hidden = p->hidden; c->eps = 1e-5f; c->ctx = p->ctx;
     c->n_heads = p->n_heads; c->n_kv = p->n_kv; c->head_dim = p->head_dim; c->mlp = p->mlp;
     c->m_heads = p->m_heads; c->m_hdim = p->m_hdim; c->n_groups = p->n_groups; c->d_state = p->d_state;
-    c->d_conv = 4; c->conv_bias = 1; c->bos = 1; c->eos[0] = 2; c->n_eos = 1;
+    c->d_conv = 4; c->conv_bias = 1; c->eos[0] = 2; c->n_eos = 1;
 }
 
 enum { W_MAT, W_ONE, W_ALOG, W_DTB, W_CONV, W_BIAS };  /* how a synthetic tensor is drawn */
@@ -1969,12 +1972,7 @@ enum { W_MAT, W_ONE, W_ALOG, W_DTB, W_CONV, W_BIAS };  /* how a synthetic tensor
 /* Adds one synthetic tensor: bf16 matrices uniform with std fan_in^-0.5, fp32 vectors as a trained
  * model has them (norms near 1, A in [-16, -1], dt = softplus(dt_bias) log-uniform in [1e-3, 0.1]). */
 static void add_random(Checkpoint *ck, const char *name, int dtype, long d0, long d1, int what, uint64_t seed, int host) {
-    if (ck->n == ck->cap) {
-        ck->cap = ck->cap ? 2 * ck->cap : 256;
-        ck->t = realloc(ck->t, (size_t)ck->cap * sizeof(Tensor));
-        if (!ck->t) die("out of memory");
-    }
-    Tensor *t = &ck->t[ck->n++];
+    Tensor *t = ck_add(ck);
     size_t numel = (size_t)d0 * (size_t)(d1 ? d1 : 1);
     *t = (Tensor){strdup(name), dtype, d1 ? 2 : 1, {d0, d1}, NULL, ck->dir};
     if (what == W_MAT && !host) return;  /* data NULL: the GPU backend draws the matrix on the device */

@@ -41,7 +41,6 @@ typedef struct {
     int d_conv;                 /* causal conv1d kernel width */
     int conv_bias;              /* 1 if conv1d has a bias */
     int ctx;                    /* max_position_embeddings */
-    int bos;                    /* bos_token_id, -1 if none */
     int eos[MAX_EOS], n_eos;    /* eos_token_id (int or list) */
 } Config;
 
