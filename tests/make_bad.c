@@ -62,14 +62,13 @@ static void emit(const char *name, const char *expect, const char *config, const
 }
 
 /* The data_offsets numbers of the k-th tensor in the header. */
-static void offsets(int k, unsigned long long *b, unsigned long long *e, const char **at) {
+static void offsets(int k, unsigned long long *b, unsigned long long *e) {
     const char *p = header;
     for (int i = 0; i <= k; i++) {
         p = strstr(p, "\"data_offsets\":[");
         if (!p) { fprintf(stderr, "make_bad: no tensor %d\n", k); exit(2); }
         p += 16;
     }
-    *at = p;
     *b = strtoull(p, (char **)&p, 10);
     *e = strtoull(p + 1, NULL, 10);
 }
@@ -111,9 +110,8 @@ int main(int argc, char **argv) {
     emit("dtype-size", "bytes for", good_config, replace(header, "\"dtype\":\"BF16\"", "\"dtype\":\"F32\""), 0, 0);
 
     unsigned long long b0, e0, b1, e1;
-    const char *at0, *at1;
-    offsets(0, &b0, &e0, &at0);
-    offsets(1, &b1, &e1, &at1);
+    offsets(0, &b0, &e0);
+    offsets(1, &b1, &e1);
     char from[96], to[96];
     snprintf(from, sizeof from, "\"data_offsets\":[%llu,%llu]", b0, e0);
     snprintf(to, sizeof to, "\"data_offsets\":[%llu,%llu]", b0 + (unsigned long long)data_len, e0 + (unsigned long long)data_len);

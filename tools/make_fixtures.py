@@ -136,7 +136,7 @@ def component_checks(model, f, seq, ref):
     return checks
 
 
-def stored(p, store, name):
+def stored(p, store):
     if store == "f32":
         return p.float()
     if store == "bf16":
@@ -151,8 +151,8 @@ def make(f):
         init_weights(model, f, g)
         # round to the stored dtype, so the fp32 reference sees exactly the weights nemoh reads
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(stored(p, f["store"], name).float())
+            for p in model.parameters():
+                p.copy_(stored(p, f["store"]).float())
         set_clamp(model, False)
         prompt = torch.randint(3, f["vocab"], (f["prompt"],), generator=g).tolist()
         cont = greedy(model, prompt, f["gen"])
@@ -195,7 +195,7 @@ def make(f):
 
 def write_nvidia(model, f, d):
     """NVIDIA's published layout: backbone.* names, hybrid_override_pattern, attention_head_dim."""
-    tensors = {("backbone." + k[len("model."):] if k.startswith("model.") else k): stored(v, f["store"], k).contiguous()
+    tensors = {("backbone." + k[len("model."):] if k.startswith("model.") else k): stored(v, f["store"]).contiguous()
                for k, v in model.state_dict().items()}
     names = sorted(tensors)
     if f["shards"] == 1:

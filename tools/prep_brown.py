@@ -17,7 +17,6 @@ for line in open(os.path.join(src, "cats.txt")):
         cats[parts[0]] = parts[1]
 
 NO_SPACE_BEFORE = {".", ",", ";", ":", "?", "!", ")", "''", "'", "]", "}"}
-NO_SPACE_AFTER = {"(", "``", "[", "{", "$"}
 
 
 def paragraph(lines):
