@@ -127,6 +127,7 @@ typedef struct {
     int *host_io;               /* [t_max + 2] pinned staging: tokens, position, sampled */
     int rows;                   /* logits rows the last step wrote */
     int proj_w, y_w, act_w, splits;
+    int gemv_slots;             /* gemv_kernel blocks the GPU holds at once (per SM x SMs) */
     ncclWindow_t win;           /* pend registered as a symmetric window */
     ncclDevComm dev;            /* device communicator with lsa barriers */
     int devapi;                 /* 1: the fused kernel uses the device API; 0: ncclAllReduce fallback */
@@ -301,9 +302,9 @@ __device__ __forceinline__ float dot16(uint4 w, const float *x, int bf) {
 
 enum { EPI_NONE, EPI_RELU2 };
 
-/* out[i] = epi(sum_k W[i][k] x[k]); wpr warps per row (1, 2, 4 or 8; more when there are few rows,
- * so that every SM has loads in flight), four to eight 16-byte loads in flight per lane. x must be 16-byte
- * aligned; W rows are (their stride ld is a multiple of 8 elements). */
+/* out[i] = epi(sum_k W[i][k] x[k]); wpr warps per row (1, 2, 4 or 8: see matmul), four to eight
+ * 16-byte loads in flight per lane. x must be 16-byte aligned; W rows are (their stride ld is a
+ * multiple of 8 elements). */
 template <int BF, int EPI>
 __global__ void __launch_bounds__(256) gemv_kernel(float *out, const void *W, int ld, const float *x, int rows, int cols,
                                                    int wpr) {
@@ -758,11 +759,34 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
  * Matrix products: our GEMV for one token, cuBLAS for a chunk of tokens
  * ---------------------------------------------------------------------------------------------- */
 
+static int gemv_slots(int gpu) {
+    int sms, per_sm;
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, gpu));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<1, EPI_NONE>, 256, 0));
+    return sms * per_sm;
+}
+
+/* Warps per row of a one-token product. Its blocks run in waves of gemv_slots, all the same work, so
+ * a last wave that is mostly empty leaves most SMs idle while it runs; more warps a row make more,
+ * smaller blocks, but shorter streams, which are slower. Estimated time, relative:
+ *   (1 + idle / (2 waves)) * 1.08^log2(wpr),  idle = the empty part of the last wave
+ * (both constants fitted to the H200 timings test_kernels prints); at least 8 KB a warp. */
+static int gemv_wpr(const GpuRank *g, const GMat *W) {
+    int best = 1;
+    double best_t = INFINITY;
+    for (int wpr = 1; wpr <= 8; wpr *= 2) {
+        if (wpr > 1 && (size_t)W->cols * (W->bf ? 2 : 4) / wpr < 8192) break;
+        double waves = (double)cdiv(W->rows, 8 / wpr) / g->gemv_slots;
+        double t = (1 + (ceil(waves) - waves) / (2 * waves)) * pow(1.08, log2(wpr));
+        if (t < best_t) { best_t = t; best = wpr; }
+    }
+    return best;
+}
+
 /* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2 */
 static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi) {
     if (T == 1) {
-        int wpr = W->rows >= 16384 ? 1 : W->rows >= 8192 ? 2 : W->rows >= 4096 ? 4 : 8;
-        while (wpr > 1 && (size_t)W->cols * (W->bf ? 2 : 4) / wpr < 8192) wpr /= 2;   /* >= 8 KB a warp: long streams */
+        int wpr = gemv_wpr(g, W);
         dim3 grid(cdiv(W->rows, 8 / wpr));
         if (W->bf) {
             if (epi) LAUNCH(grid, 256, 0, g->stream, gemv_kernel<1, EPI_RELU2>, out, W->w, W->ld, x, W->rows, W->cols, wpr);
@@ -1116,6 +1140,7 @@ static void gpu_init(Rank *r) {
     g->y_w = s->d_inner > s->q * hd ? s->d_inner : s->q * hd;
     g->act_w = pad8((int)H > g->proj_w ? (int)H : g->proj_w);
     g->splits = cdiv(r->ctx, SPLIT);
+    g->gemv_slots = gemv_slots(r->gpu);
 
     size_t free_b, total_b, need = bytes_needed(r, g);
     CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));

@@ -57,6 +57,7 @@ static GpuRank make_rank(size_t act) {
     GpuRank g;
     memset(&g, 0, sizeof g);
     CUDA_CHECK(cudaStreamCreate(&g.stream));
+    g.gemv_slots = gemv_slots(0);
     CUBLAS_CHECK(cublasCreate(&g.blas));
     CUBLAS_CHECK(cublasSetStream(g.blas, g.stream));
     CUDA_CHECK(cudaMalloc(&g.act16, act * sizeof(bf16)));
@@ -361,7 +362,8 @@ static void time_scan(int H, int P, int G, int N, int T) {
     for (float *p : {d_proj, d_xbc, d_y, d_ssm, d_A, d_D, d_dtb}) CUDA_CHECK(cudaFree(p));
 }
 
-/* Not a check: the bandwidth the one-token product reaches at the 8B model's in_proj shape. */
+/* Not a check: the bandwidth the one-token product reaches at a model's shape: as matmul launches it,
+ * and with 1, 2 and 4 warps a row. */
 static void time_gemv(int rows, int cols) {
     Mat m = {NULL, DT_BF16, rows, cols, (size_t)cols};
     GMat W = upload_mat(&m, 1);
@@ -370,14 +372,25 @@ static void time_gemv(int rows, int cols) {
     cudaEvent_t e0, e1;
     CUDA_CHECK(cudaEventCreate(&e0));
     CUDA_CHECK(cudaEventCreate(&e1));
-    for (int i = 0; i < 3; i++) matmul(&g, dout, rows, dx, cols, 1, &W, 0);
-    CUDA_CHECK(cudaEventRecord(e0, g.stream));
-    for (int i = 0; i < 50; i++) matmul(&g, dout, rows, dx, cols, 1, &W, 0);
-    CUDA_CHECK(cudaEventRecord(e1, g.stream));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    printf("# gemv bf16 %dx%d: %.1f us, %.0f GB/s of weights\n", rows, cols, ms * 1e3 / 50, 2.0 * rows * cols * 50 / (ms * 1e-3) / 1e9);
+    auto timed = [&](auto launch) {
+        for (int i = 0; i < 53; i++) {
+            if (i == 3) CUDA_CHECK(cudaEventRecord(e0, g.stream));
+            launch();
+        }
+        CUDA_CHECK(cudaEventRecord(e1, g.stream));
+        CUDA_CHECK(cudaEventSynchronize(e1));
+        float ms;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+        return ms * 1e3f / 50;
+    };
+    float us = timed([&] { matmul(&g, dout, rows, dx, cols, 1, &W, 0); });
+    printf("# gemv bf16 %dx%d: %.1f us (%d warps a row), %.0f GB/s of weights; at 1, 2, 4:", rows, cols, us, gemv_wpr(&g, &W),
+           2.0 * rows * cols / (us * 1e3));
+    for (int wpr = 1; wpr <= 4; wpr *= 2)
+        printf(" %.1f", timed([&] {
+            LAUNCH(cdiv(rows, 8 / wpr), 256, 0, g.stream, gemv_kernel<1, EPI_NONE>, dout, W.w, W.ld, dx, rows, cols, wpr);
+        }));
+    printf(" us\n");
     CUDA_CHECK(cudaFree(W.w));
     CUDA_CHECK(cudaFree(dx));
     CUDA_CHECK(cudaFree(dout));
@@ -392,6 +405,7 @@ int main(int argc, char **argv) {
         test_matmul(bf, 300, 4099, 1, 0);
         test_matmul(bf, 129, 60, 1, 1);
         test_matmul(bf, 1, 8, 1, 0);
+        test_matmul(bf, 37, 16395, 1, 0);   /* several warps a row (4 bf16, 8 fp32) */
         test_matmul(bf, 130, 1000, 7, 0);
         test_matmul(bf, 77, 515, 130, 1);
     }
@@ -409,10 +423,13 @@ int main(int argc, char **argv) {
     test_attention(4, 1, 64, 777);
     test_sampling(1000);
     test_sampling(131072);
-    time_gemv(18560, 4096);
-    time_gemv(4096, 21504);
-    time_gemv(4096, 8192);
-    time_gemv(131072, 4096);
+    time_gemv(18560, 4096);    /* nemotron-h-8b: in_proj */
+    time_gemv(21504, 4096);    /* up */
+    time_gemv(4096, 21504);    /* down */
+    time_gemv(4096, 8192);     /* out_proj */
+    time_gemv(6144, 4096);     /* qkv */
+    time_gemv(4480, 15680);    /* nemotron-nano-9b-v2: down (560 blocks of one warp a row: a second wave) */
+    time_gemv(131072, 4096);   /* lm_head */
     time_scan(128, 64, 8, 128, 2048);
     time_scan(128, 64, 8, 128, 1);
     printf("%d passed, %d failed\n", n_pass, n_fail);
