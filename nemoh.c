@@ -532,7 +532,7 @@ static int cfg_int(const Json *root, const char *path, const char *key, int need
         return def;
     }
     if (v->type != J_NUM || v->num != floor(v->num) || v->num < 0 || v->num > 1e9)
-        die("%s: %s must be a non-negative integer", path, key);
+        die("%s: %s must be an integer from 0 to 10^9", path, key);
     return (int)v->num;
 }
 
