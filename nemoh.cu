@@ -174,14 +174,36 @@ __global__ void embed_kernel(float *res, const void *emb, int bf, const int *tok
     res[(size_t)t * H + i] = bf ? __bfloat162float(((const bf16 *)emb)[row + i]) : ((const float *)emb)[row + i];
 }
 
-/* res[t] += add[t] (if add); x[t] = res[t] * rsqrt(mean(res[t]^2) + eps) * w. The row is held in
- * registers (NORM_PER per thread, hidden <= NORM_PER * NORM_THREADS), so its loads are all in flight
+/* The two norm kernels below hold a row in registers, NORM_PER elements a thread (element
+ * threadIdx.x + k * NORM_THREADS; hidden <= NORM_PER * NORM_THREADS), so its loads are all in flight
  * together: a norm costs a couple of memory round trips, not one per element. */
-__global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, float *res, const float *add, const float *w, int H,
-                                                              float eps) {
-    float wv[NORM_PER];   /* the norm weight: read before the wait, off the critical path */
+
+/* This thread's part of the norm weight w (read before the wait, off the critical path). */
+__device__ __forceinline__ void norm_weight(float (&wv)[NORM_PER], const float *w, int H) {
 #pragma unroll
     for (int k = 0; k < NORM_PER; k++) wv[k] = threadIdx.x + k * NORM_THREADS < H ? w[threadIdx.x + k * NORM_THREADS] : 0.0f;
+}
+
+/* Row t: x[t] = v * rsqrt(mean(v^2) + eps) * wv, where this thread holds its part of the row in v
+ * (ss: its sum of v^2); the row itself into r (row t of the residual) as well, if keep. */
+__device__ __forceinline__ void norm_store(float *x, float *r, int keep, size_t t, const float (&v)[NORM_PER], float ss,
+                                           const float (&wv)[NORM_PER], int H, float eps) {
+    float scale = rsqrtf(block_sum(ss) / H + eps);
+#pragma unroll
+    for (int k = 0; k < NORM_PER; k++) {
+        int i = threadIdx.x + k * NORM_THREADS;
+        if (i < H) {
+            if (keep) r[i] = v[k];
+            x[t * H + i] = v[k] * scale * wv[k];
+        }
+    }
+}
+
+/* res[t] += add[t] (if add); x[t] = res[t] * rsqrt(mean(res[t]^2) + eps) * w */
+__global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, float *res, const float *add, const float *w, int H,
+                                                              float eps) {
+    float wv[NORM_PER];
+    norm_weight(wv, w, H);
     pdl_wait();
     float *r = res + (size_t)blockIdx.x * H, v[NORM_PER], ss = 0;
 #pragma unroll
@@ -190,15 +212,7 @@ __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, float *
         v[k] = i < H ? r[i] + (add ? add[(size_t)blockIdx.x * H + i] : 0.0f) : 0.0f;
         ss += v[k] * v[k];
     }
-    float scale = rsqrtf(block_sum(ss) / H + eps);
-#pragma unroll
-    for (int k = 0; k < NORM_PER; k++) {
-        int i = threadIdx.x + k * NORM_THREADS;
-        if (i < H) {
-            if (add) r[i] = v[k];
-            x[(size_t)blockIdx.x * H + i] = v[k] * scale * wv[k];
-        }
-    }
+    norm_store(x, r, add != NULL, blockIdx.x, v, ss, wv, H, eps);
 }
 
 /* The fused all-reduce + residual add + RMSNorm, at a layer's entry:
@@ -214,8 +228,7 @@ __global__ void __launch_bounds__(NORM_THREADS) fused_allreduce_norm_kernel(
     int n = dev.lsaSize;
     for (int p = threadIdx.x; p < n; p += blockDim.x) peer[p] = (const float *)ncclGetLsaPointer(win, offset, p);
     float wv[NORM_PER];
-#pragma unroll
-    for (int k = 0; k < NORM_PER; k++) wv[k] = threadIdx.x + k * NORM_THREADS < H ? w[threadIdx.x + k * NORM_THREADS] : 0.0f;
+    norm_weight(wv, w, H);
     pdl_wait();
     if (n > 1) {   /* alone, there is nobody to wait for: the barrier would be pure cost */
         ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x);
@@ -240,15 +253,7 @@ __global__ void __launch_bounds__(NORM_THREADS) fused_allreduce_norm_kernel(
             v[k] += rv[k];   /* res + (sum of the ranks), as ncclAllReduce then an add would give */
             ss += v[k] * v[k];
         }
-        float scale = rsqrtf(block_sum(ss) / H + eps);
-#pragma unroll
-        for (int k = 0; k < NORM_PER; k++) {
-            int i = threadIdx.x + k * NORM_THREADS;
-            if (i < H) {
-                r[i] = v[k];
-                x[(size_t)t * H + i] = v[k] * scale * wv[k];
-            }
-        }
+        norm_store(x, r, 1, t, v, ss, wv, H, eps);
     }
 }
 
