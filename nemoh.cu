@@ -792,14 +792,9 @@ static int gemv_wpr(const GpuRank *g, const GMat *W) {
 static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi) {
     if (T == 1) {
         int wpr = gemv_wpr(g, W);
-        dim3 grid(cdiv(W->rows, 8 / wpr));
-        if (W->bf) {
-            if (epi) LAUNCH(grid, 256, 0, g->stream, gemv_kernel<1, EPI_RELU2>, out, W->w, W->ld, x, W->rows, W->cols, wpr);
-            else LAUNCH(grid, 256, 0, g->stream, gemv_kernel<1, EPI_NONE>, out, W->w, W->ld, x, W->rows, W->cols, wpr);
-        } else {
-            if (epi) LAUNCH(grid, 256, 0, g->stream, gemv_kernel<0, EPI_RELU2>, out, W->w, W->ld, x, W->rows, W->cols, wpr);
-            else LAUNCH(grid, 256, 0, g->stream, gemv_kernel<0, EPI_NONE>, out, W->w, W->ld, x, W->rows, W->cols, wpr);
-        }
+        void (*kernel)(float *, const void *, int, const float *, int, int, int) =
+            W->bf ? (epi ? gemv_kernel<1, EPI_RELU2> : gemv_kernel<1, EPI_NONE>) : (epi ? gemv_kernel<0, EPI_RELU2> : gemv_kernel<0, EPI_NONE>);
+        LAUNCH(cdiv(W->rows, 8 / wpr), 256, 0, g->stream, kernel, out, W->w, W->ld, x, W->rows, W->cols, wpr);
         return;
     }
     /* row-major out[T][rows] = x[T][cols] W^T is column-major out^T = W^T(op T of W's storage) x^T */
