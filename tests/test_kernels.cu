@@ -64,6 +64,12 @@ static GpuRank make_rank(size_t act) {
     return g;
 }
 
+static void free_rank(GpuRank *g) {
+    CUDA_CHECK(cudaFree(g->act16));
+    CUBLAS_CHECK(cublasDestroy(g->blas));
+    CUDA_CHECK(cudaStreamDestroy(g->stream));
+}
+
 /* ---- matrix products: GEMV (one token) and cuBLAS (a chunk), bf16 and fp32 weights, stacked uploads ---- */
 static void test_matmul(int bf, int rows, int cols, int T, int epi) {
     /* two stacked parts, as in_proj's segments are uploaded, each a strided view of a wider tensor */
@@ -105,9 +111,7 @@ static void test_matmul(int bf, int rows, int cols, int T, int epi) {
     CUDA_CHECK(cudaFree(W.w));
     CUDA_CHECK(cudaFree(dx));
     CUDA_CHECK(cudaFree(dout));
-    CUDA_CHECK(cudaFree(g.act16));
-    CUBLAS_CHECK(cublasDestroy(g.blas));
-    CUDA_CHECK(cudaStreamDestroy(g.stream));
+    free_rank(&g);
 }
 
 /* ---- embedding gather, RMSNorm with and without the residual add ---- */
@@ -340,6 +344,23 @@ static void test_sampling(int V) {
     CUDA_CHECK(cudaFree(dout));
 }
 
+/* Microseconds per call of run() on stream s: three calls to warm up, then the mean of reps. */
+template <typename F> static float time_us(cudaStream_t s, int reps, F run) {
+    cudaEvent_t e0, e1;
+    CUDA_CHECK(cudaEventCreate(&e0));
+    CUDA_CHECK(cudaEventCreate(&e1));
+    for (int i = 0; i < 3; i++) run();
+    CUDA_CHECK(cudaEventRecord(e0, s));
+    for (int i = 0; i < reps; i++) run();
+    CUDA_CHECK(cudaEventRecord(e1, s));
+    CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    CUDA_CHECK(cudaEventDestroy(e0));
+    CUDA_CHECK(cudaEventDestroy(e1));
+    return ms * 1e3f / reps;
+}
+
 /* Not a check: the selective scan's time at one layer of a model's shape, for T steps. */
 static void time_scan(int H, int P, int G, int N, int T) {
     int di = H * P, cv = di + 2 * G * N, in = di + cv + H;
@@ -347,18 +368,8 @@ static void time_scan(int H, int P, int G, int N, int T) {
     float *d_proj = dev_copy(rand_vec((size_t)T * in, 0.5f)), *d_xbc = dev_copy(rand_vec((size_t)T * cv, 0.5f));
     float *d_y = dev_copy(std::vector<float>((size_t)T * di)), *d_ssm = dev_copy(std::vector<float>((size_t)di * N));
     float *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb);
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    int reps = T > 1 ? 5 : 200;
-    ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
-    CUDA_CHECK(cudaEventRecord(e0, 0));
-    for (int i = 0; i < reps; i++) ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
-    CUDA_CHECK(cudaEventRecord(e1, 0));
-    CUDA_CHECK(cudaEventSynchronize(e1));
-    float ms;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-    printf("# selective scan %d heads x %d, N %d, G %d, %d step%s: %.1f us\n", H, P, N, G, T, T > 1 ? "s" : "", ms * 1e3 / reps);
+    float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di); });
+    printf("# selective scan %d heads x %d, N %d, G %d, %d step%s: %.1f us\n", H, P, N, G, T, T > 1 ? "s" : "", us);
     for (float *p : {d_proj, d_xbc, d_y, d_ssm, d_A, d_D, d_dtb}) CUDA_CHECK(cudaFree(p));
 }
 
@@ -369,31 +380,18 @@ static void time_gemv(int rows, int cols) {
     GMat W = upload_mat(&m, 1);
     GpuRank g = make_rank(8);
     float *dx = dev_copy(rand_vec(cols)), *dout = dev_copy(std::vector<float>(rows));
-    cudaEvent_t e0, e1;
-    CUDA_CHECK(cudaEventCreate(&e0));
-    CUDA_CHECK(cudaEventCreate(&e1));
-    auto timed = [&](auto launch) {
-        for (int i = 0; i < 53; i++) {
-            if (i == 3) CUDA_CHECK(cudaEventRecord(e0, g.stream));
-            launch();
-        }
-        CUDA_CHECK(cudaEventRecord(e1, g.stream));
-        CUDA_CHECK(cudaEventSynchronize(e1));
-        float ms;
-        CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        return ms * 1e3f / 50;
-    };
-    float us = timed([&] { matmul(&g, dout, rows, dx, cols, 1, &W, 0); });
+    float us = time_us(g.stream, 50, [&] { matmul(&g, dout, rows, dx, cols, 1, &W, 0); });
     printf("# gemv bf16 %dx%d: %.1f us (%d warps a row), %.0f GB/s of weights; at 1, 2, 4:", rows, cols, us, gemv_wpr(&g, &W),
            2.0 * rows * cols / (us * 1e3));
     for (int wpr = 1; wpr <= 4; wpr *= 2)
-        printf(" %.1f", timed([&] {
+        printf(" %.1f", time_us(g.stream, 50, [&] {
             LAUNCH(cdiv(rows, 8 / wpr), 256, 0, g.stream, gemv_kernel<1, EPI_NONE>, dout, W.w, W.ld, dx, rows, cols, wpr);
         }));
     printf(" us\n");
     CUDA_CHECK(cudaFree(W.w));
     CUDA_CHECK(cudaFree(dx));
     CUDA_CHECK(cudaFree(dout));
+    free_rank(&g);
 }
 
 int main(int argc, char **argv) {
