@@ -688,20 +688,45 @@ __global__ void softmax_causal_kernel(float *S, int n_keys, const int *pos) {
  * Kernels: sampling on the GPU, so only the token id crosses to the host
  * ---------------------------------------------------------------------------------------------- */
 
+/* Sum over the block of 1024 threads in double, in a fixed order (butterfly within each warp, then the
+ * 32 warp sums in turn), so the same inputs give the same sum, bit for bit, on every thread. */
+__device__ double block_dsum(double v, double *s32) {
+    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if ((threadIdx.x & 31) == 0) s32[threadIdx.x >> 5] = v;
+    __syncthreads();
+    double t = 0;
+    for (int k = 0; k < 32; k++) t += s32[k];
+    __syncthreads();
+    return t;
+}
+
+/* The top-p bisection's candidates that shared memory holds (dynamic, 160 KB); with more, it reads
+ * the whole vocabulary on each of its 40 passes. */
+enum { SAMPLE_CAND = 40960 };
+
 /* The same rule as sample_logits() in nemoh.c: argmax at temp 0 (first on ties); else probabilities
  * p_i ~ exp((l_i - max) / temp), the top-p threshold by bisection, and a draw in index order with
- * coin(seed, step). One block of 1024 threads: the passes over the vocabulary are strided (coalesced);
- * for the draw, thread k owns the k-th contiguous range, so the prefix over threads is in index order. */
+ * coin(seed, step). One block of 1024 threads. Passes where order does not matter are strided over
+ * the vocabulary; where it does (gathering candidates, the draw), warp w owns the w-th contiguous
+ * range and walks it 32 elements at a time, a lane each, so the loads stay coalesced.
+ * Every threshold the bisection tries lies above (1 - topp) total / (2V): at or below
+ * tau0 = (1 - topp) total / V, the tokens under it hold less than (1 - topp) total, so the test
+ * passes there, and a tried threshold is at least half of one that failed. So only p_i >= tau0 / 4
+ * ever count; they are gathered into shared memory, in index order, once, and the 40 passes read
+ * those instead of the vocabulary. */
 __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, float *p, int V, float temp, float topp,
                                                      uint64_t seed, uint64_t step) {
     pdl_wait();
+    extern __shared__ float cand[];   /* [SAMPLE_CAND] */
     __shared__ float sv[1024];
     __shared__ int si[1024];
-    __shared__ double sd[1024];
-    int tid = threadIdx.x, per = (V + 1023) / 1024, i0 = tid * per, i1 = min(V, i0 + per);
+    __shared__ double sd[32];
+    __shared__ int sn[33];
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int span = (V + 31) / 32, w0 = min(V, warp * span), w1 = min(V, w0 + span);   /* this warp's range */
     float best = -INFINITY;
     int bi = V;
-    for (int i = tid; i < V; i += 1024) if (l[i] > best) { best = l[i]; bi = i; }   /* coalesced passes ... */
+    for (int i = tid; i < V; i += 1024) if (l[i] > best) { best = l[i]; bi = i; }
     sv[tid] = best; si[tid] = bi;
     __syncthreads();
     for (int o = 512; o; o >>= 1) {
@@ -715,49 +740,71 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
     if (temp <= 0) { if (tid == 0) *out = arg; return; }
     double tot = 0;
     for (int i = tid; i < V; i += 1024) tot += p[i] = expf((l[i] - mx) / temp);
-    /* block sums in double, tree order fixed: the same inputs give the same token every time */
-#define BLOCK_DSUM(v, res) do { sd[tid] = (v); __syncthreads(); \
-        for (int o = 512; o; o >>= 1) { if (tid < o) sd[tid] += sd[tid + o]; __syncthreads(); } \
-        res = sd[0]; __syncthreads(); } while (0)
-    double total;
-    BLOCK_DSUM(tot, total);
+    double total = block_dsum(tot, sd);   /* its barriers also make p visible to the whole block */
     float lo = 0, hi = 1;
     if (topp < 1) {
+        const float *q = p;   /* what the bisection reads: the vocabulary, or the candidates */
+        int n = V;
+        float tau = (float)((1 - topp) * total / V / 4);
+        int cnt = 0;
+        for (int i = w0 + lane; i < w1; i += 32) cnt += p[i] >= tau;
+        for (int o = 16; o; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+        if (lane == 0) sn[warp] = cnt;
+        __syncthreads();
+        if (tid == 0) {   /* exclusive prefix of the warps' counts; sn[32] = all */
+            int run = 0;
+            for (int k = 0; k < 32; k++) { int c = sn[k]; sn[k] = run; run += c; }
+            sn[32] = run;
+        }
+        __syncthreads();
+        if (sn[32] <= SAMPLE_CAND) {
+            int at = sn[warp];
+            for (int i0 = w0; i0 < w1; i0 += 32) {
+                int i = i0 + lane, keep = i < w1 && p[i] >= tau;
+                unsigned m = __ballot_sync(0xffffffffu, keep);
+                if (keep) cand[at + __popc(m & ((1u << lane) - 1))] = p[i];
+                at += __popc(m);
+            }
+            __syncthreads();
+            q = cand;
+            n = sn[32];
+        }
         for (int it = 0; it < 40; it++) {
             float mid = 0.5f * (lo + hi);
-            double m = 0, mass;
-            for (int i = tid; i < V; i += 1024) m += p[i] >= mid ? p[i] : 0;
-            BLOCK_DSUM(m, mass);
-            if (mass >= topp * total) lo = mid; else hi = mid;
+            double m = 0;
+            for (int i = tid; i < n; i += 1024) m += q[i] >= mid ? q[i] : 0;
+            if (block_dsum(m, sd) >= topp * total) lo = mid; else hi = mid;
         }
     }
-    double mine = 0, kept;   /* ... and contiguous ranges where index order matters: the draw */
-    for (int i = i0; i < i1; i++) mine += p[i] >= lo ? p[i] : 0;
-    BLOCK_DSUM(mine, kept);
-    /* exclusive prefix of the kept mass over threads, then the thread holding the target walks its range */
-    sd[tid] = mine;
+    /* the draw: the kept mass of each warp's range, then the warp whose range holds the target
+       walks it with a running sum, 32 at a time */
+    double mine = 0;
+    for (int i = w0 + lane; i < w1; i += 32) mine += p[i] >= lo ? p[i] : 0;
+    for (int o = 16; o; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+    if (lane == 0) sd[warp] = mine;
     __syncthreads();
-    for (int o = 1; o < 1024; o <<= 1) {
-        double add = tid >= o ? sd[tid - o] : 0;
-        __syncthreads();
-        sd[tid] += add;
-        __syncthreads();
-    }
-    double target = coin(seed, step) * kept, before = sd[tid] - mine;
+    double before = 0, kept = 0;
+    for (int k = 0; k < 32; k++) { if (k == warp) before = kept; kept += sd[k]; }
+    double target = coin(seed, step) * kept, after = before + sd[warp];
     if (tid == 0) *out = arg;
     __syncthreads();
-    if (mine > 0 && before <= target && target < sd[tid]) {  /* none (rounding at the very end): the argmax stays */
+    if (sd[warp] > 0 && before <= target && target < after) {  /* none (rounding at the very end): the argmax stays */
         double cum = before;
         int pick = -1;
-        for (int i = i0; i < i1; i++) {
-            if (p[i] < lo) continue;
-            cum += p[i];
-            pick = i;
-            if (cum > target) break;
+        for (int i0 = w0; i0 < w1; i0 += 32) {
+            int i = i0 + lane;
+            double v = i < w1 && p[i] >= lo ? p[i] : 0, run = v;
+            for (int o = 1; o < 32; o <<= 1) {
+                double u = __shfl_up_sync(0xffffffffu, run, o);
+                if (lane >= o) run += u;
+            }
+            unsigned hit = __ballot_sync(0xffffffffu, v > 0 && cum + run > target), has = __ballot_sync(0xffffffffu, v > 0);
+            if (hit) { pick = i0 + __ffs(hit) - 1; break; }
+            if (has) pick = i0 + 31 - __clz(has);
+            cum += __shfl_sync(0xffffffffu, run, 31);
         }
-        if (pick >= 0) *out = pick;
+        if (lane == 0 && pick >= 0) *out = pick;
     }
-#undef BLOCK_DSUM
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -980,7 +1027,7 @@ static void gpu_logits(Rank *r, int T, int all) {
 static int gpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t step) {
     GpuRank *g = G(r);
     int V = r->c->vocab;
-    LAUNCH(1, 1024, 0, g->stream, sample_kernel, g->sampled, g->logits + (size_t)(g->rows - 1) * V, g->probs, V, temp, topp, seed, step);
+    LAUNCH(1, 1024, SAMPLE_CAND * sizeof(float), g->stream, sample_kernel, g->sampled, g->logits + (size_t)(g->rows - 1) * V, g->probs, V, temp, topp, seed, step);
     CUDA_CHECK(cudaMemcpyAsync(g->host_io, g->sampled, sizeof(int), cudaMemcpyDeviceToHost, g->stream));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
     return g->host_io[0];
@@ -1141,6 +1188,7 @@ static void gpu_init(Rank *r) {
     g->act_w = pad8((int)H > g->proj_w ? (int)H : g->proj_w);
     g->splits = cdiv(r->ctx, SPLIT);
     g->gemv_slots = gemv_slots(r->gpu);
+    CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SAMPLE_CAND * sizeof(float)));
 
     size_t free_b, total_b, need = bytes_needed(r, g);
     CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));

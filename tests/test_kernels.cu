@@ -308,25 +308,30 @@ static int host_pick(const std::vector<float> &p, float topp, uint64_t seed, uin
     return -1;
 }
 
-static void test_sampling(int V) {
+/* peaked: all but every 64th logit 30 lower, so the top-p candidates fit in shared memory; else
+ * they do not, and the bisection reads the whole vocabulary */
+static void test_sampling(int V, int peaked) {
     std::vector<float> l = rand_vec(V, 5.0f);
+    if (peaked)
+        for (int i = 0; i < V; i++) l[i] -= i % 64 ? 30.0f : 0.0f;
     int a = (int)(rng() % V), b = (int)(rng() % V), lo = a < b ? a : b, hi = a < b ? b : a;
     if (lo == hi) hi = (lo + 1) % V, lo = lo < hi ? lo : hi;
     l[lo] = l[hi] = 9.0f;  /* two tied maxima: the first wins */
     float *dl = dev_copy(l), *dp = dev_copy(std::vector<float>(V));
     int *dout, got;
     CUDA_CHECK(cudaMalloc(&dout, sizeof(int)));
-    LAUNCH(1, 1024, 0, 0, sample_kernel, dout, dl, dp, V, 0.0f, 1.0f, 1, 0);
+    CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SAMPLE_CAND * sizeof(float)));
+    LAUNCH(1, 1024, SAMPLE_CAND * sizeof(float), 0, sample_kernel, dout, dl, dp, V, 0.0f, 1.0f, 1, 0);
     CUDA_CHECK(cudaMemcpy(&got, dout, sizeof(int), cudaMemcpyDeviceToHost));
     char what[128];
     snprintf(what, sizeof what, "greedy: argmax over %d logits, first of two tied maxima", V);
     expect_int(what, got, lo);
-    int agree = 0, trials = 40;
+    int agree = 0, trials = 40, gathered = 0, whole = 0;
     double perr = 0;
     for (int k = 0; k < trials; k++) {
         float temp = 0.3f + 1.5f * (uni() + 1) / 2, topp = k % 4 == 0 ? 1.0f : 0.2f + 0.75f * (uni() + 1) / 2;
         uint64_t seed = rng(), step = rng() % 1000;
-        LAUNCH(1, 1024, 0, 0, sample_kernel, dout, dl, dp, V, temp, topp, seed, step);
+        LAUNCH(1, 1024, SAMPLE_CAND * sizeof(float), 0, sample_kernel, dout, dl, dp, V, temp, topp, seed, step);
         CUDA_CHECK(cudaMemcpy(&got, dout, sizeof(int), cudaMemcpyDeviceToHost));
         std::vector<float> p = host_copy(dp, V);
         for (int i = 0; i < V; i++) {
@@ -334,9 +339,17 @@ static void test_sampling(int V) {
             if (isnan(e) || e > perr) perr = e;   /* fmax would skip a NaN; here it stays and fails */
         }
         agree += got == host_pick(p, topp, seed, step);
+        double total = 0;
+        int cand = 0;
+        for (float v : p) total += v;
+        for (float v : p) cand += v >= (float)((1 - topp) * total / V / 4);
+        gathered += topp < 1 && cand <= SAMPLE_CAND;
+        whole += topp < 1 && cand > SAMPLE_CAND;
     }
-    snprintf(what, sizeof what, "top-p draws over %d logits = the host rule (of %d)", V, trials);
+    snprintf(what, sizeof what, "top-p draws over %d %s logits = the host rule (of %d)", V, peaked ? "peaked" : "flat", trials);
     expect_int(what, agree, trials);
+    snprintf(what, sizeof what, "... of them, bisections over gathered candidates (%d) / all %d (%d)", gathered, V, whole);
+    expect_int(what, (peaked || V <= SAMPLE_CAND ? gathered : whole) > 0, 1);
     printf("%-7s %-62s max abs err %.2e (tol 1e-6)\n", perr <= 1e-6 ? "ok" : "FAILED", "sampling probabilities exp((l - max) / temp)", perr);
     perr <= 1e-6 ? n_pass++ : n_fail++;
     CUDA_CHECK(cudaFree(dl));
@@ -371,6 +384,24 @@ static void time_scan(int H, int P, int G, int N, int T) {
     float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di); });
     printf("# selective scan %d heads x %d, N %d, G %d, %d step%s: %.1f us\n", H, P, N, G, T, T > 1 ? "s" : "", us);
     for (float *p : {d_proj, d_xbc, d_y, d_ssm, d_A, d_D, d_dtb}) CUDA_CHECK(cudaFree(p));
+}
+
+/* Not a check: the sampler's time over V logits (peaked or flat, as above), greedy and top-p. */
+static void time_sample(int V, int peaked) {
+    std::vector<float> l = rand_vec(V, 5.0f);
+    if (peaked)
+        for (int i = 0; i < V; i++) l[i] -= i % 64 ? 30.0f : 0.0f;
+    float *dl = dev_copy(l), *dp = dev_copy(std::vector<float>(V));
+    int *dout;
+    CUDA_CHECK(cudaMalloc(&dout, sizeof(int)));
+    printf("# sampling over %d %s logits:", V, peaked ? "peaked" : "flat");
+    for (float topp : {0.0f, 1.0f, 0.95f})
+        printf(" %s %.1f us%s", topp == 0 ? "greedy" : topp == 1 ? "temp 0.8" : "top-p 0.95", time_us(0, 20, [&] {
+            LAUNCH(1, 1024, SAMPLE_CAND * sizeof(float), 0, sample_kernel, dout, dl, dp, V, topp == 0 ? 0.0f : 0.8f, topp, 1, 2);
+        }), topp == 0.95f ? "\n" : ",");
+    CUDA_CHECK(cudaFree(dl));
+    CUDA_CHECK(cudaFree(dp));
+    CUDA_CHECK(cudaFree(dout));
 }
 
 /* Not a check: the bandwidth the one-token product reaches at a model's shape: as matmul launches it,
@@ -419,8 +450,9 @@ int main(int argc, char **argv) {
     test_attention(6, 3, 8, 7);
     test_attention(8, 2, 128, 300);
     test_attention(4, 1, 64, 777);
-    test_sampling(1000);
-    test_sampling(131072);
+    test_sampling(1000, 0);
+    test_sampling(131072, 0);
+    test_sampling(131072, 1);
     time_gemv(18560, 4096);    /* nemotron-h-8b: in_proj */
     time_gemv(21504, 4096);    /* up */
     time_gemv(4096, 21504);    /* down */
@@ -428,6 +460,8 @@ int main(int argc, char **argv) {
     time_gemv(6144, 4096);     /* qkv */
     time_gemv(4480, 15680);    /* nemotron-nano-9b-v2: down (560 blocks of one warp a row: a second wave) */
     time_gemv(131072, 4096);   /* lm_head */
+    time_sample(131072, 1);
+    time_sample(131072, 0);
     time_scan(128, 64, 8, 128, 2048);
     time_scan(128, 64, 8, 128, 1);
     printf("%d passed, %d failed\n", n_pass, n_fail);
