@@ -41,7 +41,9 @@ static int cdiv(long a, long b) { return (int)((a + b - 1) / b); }
  * with programmatic dependent launch, so the GPU may start a kernel while the one before it drains
  * (a decode step is ~250 kernels in a row; this hides the launch gaps between them). Every kernel
  * therefore begins with pdl_wait(), which returns once the previous kernel has finished and its
- * writes are visible; only what no kernel writes (weights) may be read before it. */
+ * writes are visible. Before it a kernel may read only what the kernel just before it cannot be
+ * writing (every earlier one has finished: each waits for its predecessor before letting the next
+ * start): weights, and the SSM state, which only the scan writes, never twice in a row. */
 template <typename... P, typename... A>
 static void launch(const char *file, int line, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                    void (*kernel)(P...), A... args) {
@@ -307,15 +309,20 @@ __device__ __forceinline__ float dot16(uint4 w, const float *x, int bf) {
 
 enum { EPI_NONE, EPI_RELU2 };
 
-/* out[i] = epi(sum_k W[i][k] x[k]); wpr warps per row (1, 2, 4 or 8: see matmul), four to eight
- * 16-byte loads in flight per lane. x must be 16-byte aligned; W rows are (their stride ld is a
- * multiple of 8 elements). */
+/* Blocks of two warps: as a product's last blocks drain, the next kernel's blocks take the freed
+ * slots in small steps. Blocks of 8, 4 and 1 warps measured slower, and so did the code the compiler
+ * makes for launch bounds of 256 threads instead of 16 blocks of 64 (bench/RESULTS.md). */
+enum { GEMV_WARPS = 2 };
+
+/* out[i] = epi(sum_k W[i][k] x[k]); wpr warps per row (1 or 2: see matmul), four to eight 16-byte
+ * loads in flight per lane. x must be 16-byte aligned; W rows are (their stride ld is a multiple of
+ * 8 elements). */
 template <int BF, int EPI>
-__global__ void __launch_bounds__(256) gemv_kernel(float *out, const void *W, int ld, const float *x, int rows, int cols,
-                                                   int wpr) {
-    __shared__ float red[8];
+__global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(float *out, const void *W, int ld, const float *x, int rows,
+                                                                  int cols, int wpr) {
+    __shared__ float red[GEMV_WARPS];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr;
-    int row = blockIdx.x * (8 / wpr) + warp / wpr;
+    int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr;
     const int per = BF ? 8 : 4;                         /* elements per 16 bytes */
     const char *wrow = (const char *)W + (size_t)(row < rows ? row : 0) * ld * (BF ? 2 : 4);
     const uint4 *w = (const uint4 *)wrow;
@@ -441,8 +448,7 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
     int buf_len = chunk * (2 * N + rpb + 1);   /* per buffer: B [chunk][N], C [chunk][N], x [chunk][rpb], dt [chunk] */
     float *sdt = sm + 2 * buf_len, *sdA = sdt + SCAN_STEPS;
     float a = A[h], d = D[h], bias = dt_bias[h];
-    pdl_wait();
-    float S[4][E];
+    float S[4][E];   /* the state, read before the wait (see LAUNCH): at decode, most of what this reads */
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         int p = p0 + q * 4 + k;
@@ -450,6 +456,7 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
 #pragma unroll
         for (int e = 0; e < E; e++) S[k][e] = p < P ? st[e * LR] : 0.0f;
     }
+    pdl_wait();
     auto stage = [&](int t0, int buf) {   /* the inputs of steps t0 .. t0 + chunk - 1 into buffer buf */
         int steps = min(chunk, T - t0);
         float *sB = sm + buf * buf_len, *sC = sB + chunk * N, *sx = sC + chunk * N, *sraw = sx + chunk * rpb;
@@ -814,7 +821,7 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
 static int gemv_slots(int gpu) {
     int sms, per_sm;
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, gpu));
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<1, EPI_NONE>, 256, 0));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<1, EPI_NONE>, 32 * GEMV_WARPS, 0));
     return sms * per_sm;
 }
 
@@ -822,13 +829,15 @@ static int gemv_slots(int gpu) {
  * a last wave that is mostly empty leaves most SMs idle while it runs; more warps a row make more,
  * smaller blocks, but shorter streams, which are slower. Estimated time, relative:
  *   (1 + idle / (2 waves)) * 1.08^log2(wpr),  idle = the empty part of the last wave
- * (both constants fitted to the H200 timings test_kernels prints); at least 8 KB a warp. */
+ * (both constants fitted to the H200 timings test_kernels printed for blocks of 8 warps; for blocks
+ * of 2 they pick the faster of 1 and 2 warps a row, or one within 2%, at every shape measured in
+ * bench/RESULTS.md); at least 8 KB a warp. */
 static int gemv_wpr(const GpuRank *g, const GMat *W) {
     int best = 1;
     double best_t = INFINITY;
-    for (int wpr = 1; wpr <= 8; wpr *= 2) {
+    for (int wpr = 1; wpr <= GEMV_WARPS; wpr *= 2) {
         if (wpr > 1 && (size_t)W->cols * (W->bf ? 2 : 4) / wpr < 8192) break;
-        double waves = (double)cdiv(W->rows, 8 / wpr) / g->gemv_slots;
+        double waves = (double)cdiv(W->rows, GEMV_WARPS / wpr) / g->gemv_slots;
         double t = (1 + (ceil(waves) - waves) / (2 * waves)) * pow(1.08, log2(wpr));
         if (t < best_t) { best_t = t; best = wpr; }
     }
@@ -841,7 +850,7 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
         int wpr = gemv_wpr(g, W);
         void (*kernel)(float *, const void *, int, const float *, int, int, int) =
             W->bf ? (epi ? gemv_kernel<1, EPI_RELU2> : gemv_kernel<1, EPI_NONE>) : (epi ? gemv_kernel<0, EPI_RELU2> : gemv_kernel<0, EPI_NONE>);
-        LAUNCH(cdiv(W->rows, 8 / wpr), 256, 0, g->stream, kernel, out, W->w, W->ld, x, W->rows, W->cols, wpr);
+        LAUNCH(cdiv(W->rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g->stream, kernel, out, W->w, W->ld, x, W->rows, W->cols, wpr);
         return;
     }
     /* row-major out[T][rows] = x[T][cols] W^T is column-major out^T = W^T(op T of W's storage) x^T */
