@@ -308,12 +308,17 @@ static int host_pick(const std::vector<float> &p, float topp, uint64_t seed, uin
     return -1;
 }
 
-/* peaked: all but every 64th logit 30 lower, so the top-p candidates fit in shared memory; else
- * they do not, and the bisection reads the whole vocabulary */
-static void test_sampling(int V, int peaked) {
+/* V logits in (-5, 5); peaked: all but every 64th 30 lower, so the top-p candidates fit in shared
+ * memory; flat, they do not (at most temperatures), and the bisection reads the whole vocabulary */
+static std::vector<float> sampling_logits(int V, int peaked) {
     std::vector<float> l = rand_vec(V, 5.0f);
     if (peaked)
         for (int i = 0; i < V; i++) l[i] -= i % 64 ? 30.0f : 0.0f;
+    return l;
+}
+
+static void test_sampling(int V, int peaked) {
+    std::vector<float> l = sampling_logits(V, peaked);
     int a = (int)(rng() % V), b = (int)(rng() % V), lo = a < b ? a : b, hi = a < b ? b : a;
     if (lo == hi) hi = (lo + 1) % V, lo = lo < hi ? lo : hi;
     l[lo] = l[hi] = 9.0f;  /* two tied maxima: the first wins */
@@ -390,10 +395,7 @@ static void time_scan(int H, int P, int G, int N, int T) {
 
 /* Not a check: the sampler's time over V logits (peaked or flat, as above), greedy and top-p. */
 static void time_sample(int V, int peaked) {
-    std::vector<float> l = rand_vec(V, 5.0f);
-    if (peaked)
-        for (int i = 0; i < V; i++) l[i] -= i % 64 ? 30.0f : 0.0f;
-    float *dl = dev_copy(l), *dp = dev_copy(std::vector<float>(V));
+    float *dl = dev_copy(sampling_logits(V, peaked)), *dp = dev_copy(std::vector<float>(V));
     int *dout;
     CUDA_CHECK(cudaMalloc(&dout, sizeof(int)));
     printf("# sampling over %d %s logits:", V, peaked ? "peaked" : "flat");
@@ -407,7 +409,7 @@ static void time_sample(int V, int peaked) {
 }
 
 /* Not a check: the bandwidth the one-token product reaches at a model's shape: as matmul launches it,
- * and with 1, 2 and 4 warps a row. */
+ * and with 1 and 2 warps a row. */
 static void time_gemv(int rows, int cols) {
     Mat m = {NULL, DT_BF16, rows, cols, (size_t)cols};
     GMat W = upload_mat(&m, 1);
@@ -461,7 +463,7 @@ int main(int argc, char **argv) {
     time_gemv(4096, 21504);    /* down */
     time_gemv(4096, 8192);     /* out_proj */
     time_gemv(6144, 4096);     /* qkv */
-    time_gemv(4480, 15680);    /* nemotron-nano-9b-v2: down (560 blocks of one warp a row: a second wave) */
+    time_gemv(4480, 15680);    /* nemotron-nano-9b-v2: down (at one warp a row, a second wave of 128 blocks) */
     time_gemv(131072, 4096);   /* lm_head */
     time_sample(131072, 1);
     time_sample(131072, 0);
