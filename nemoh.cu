@@ -360,6 +360,25 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(float *out, c
     }
 }
 
+/* A Mamba layer's conv, scan and gated norm, and an attention layer's cache append, attention and
+ * combine, are chains of small dependent kernels that leave HBM mostly idle; the product after them
+ * (out_proj, o_proj) cannot start early, but its first WARM_BYTES can be on their way to L2. The
+ * scan and the decode attention kernel ask for them (prefetch: no register, no wait), spread over all
+ * their threads. 8 MB measured best of 8, 16, 24 and 32 (bench/RESULTS.md, S5 run 2). */
+enum { WARM_BYTES = 8 << 20 };
+
+__device__ __forceinline__ void l2_warm(const void *p, size_t n) {
+    size_t threads = (size_t)gridDim.x * gridDim.y * blockDim.x;
+    size_t t = ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+    for (size_t off = t * 128; off < n; off += threads * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)p + off));
+}
+
+/* The bytes of W that l2_warm asks for. */
+static size_t warm_bytes(const GMat *W) {
+    size_t b = (size_t)W->rows * W->ld * (W->bf ? 2 : 4);
+    return b < WARM_BYTES ? b : WARM_BYTES;
+}
+
 /* ------------------------------------------------------------------------------------------------
  * Kernels: Mamba2
  * ---------------------------------------------------------------------------------------------- */
@@ -439,7 +458,7 @@ __host__ __device__ constexpr int scan_lanes(int N) { return N >= 16 ? 16 : N; }
 template <int N>
 __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
         float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off, const float *A,
-        const float *D, const float *dt_bias, int T, int chunk, int H, int P, int G, int di) {
+        const float *D, const float *dt_bias, int T, int chunk, int H, int P, int G, int di, const void *warm, size_t warm_n) {
     constexpr int LR = scan_lanes(N), E = N / LR;   /* compile-time: shared-memory offsets become immediates */
     extern __shared__ float4 sm4[];
     float *sm = (float *)sm4;
@@ -456,6 +475,7 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
 #pragma unroll
         for (int e = 0; e < E; e++) S[k][e] = p < P ? st[e * LR] : 0.0f;
     }
+    l2_warm(warm, warm_n);
     pdl_wait();
     auto stage = [&](int t0, int buf) {   /* the inputs of steps t0 .. t0 + chunk - 1 into buffer buf */
         int steps = min(chunk, T - t0);
@@ -527,12 +547,13 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
 /* Launches the scan for H heads of P channels, state size N: groups of four rows, a block of at most
  * SCAN_THREADS, half the chunk at N = 256 to stay under 48 KB of shared memory. */
 static void ssm_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
-                     const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di) {
+                     const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di,
+                     const void *warm, size_t warm_n) {
     int LR = scan_lanes(N), threads = std::min((int)SCAN_THREADS, ((P + 3) / 4 * LR + 31) / 32 * 32);
     int rpb = threads / LR * 4, chunk = N > 128 ? SCAN_STEPS / 2 : SCAN_STEPS;
     size_t smem = (size_t)(2 * chunk * (2 * N + rpb + 1) + 2 * SCAN_STEPS) * sizeof(float);
     dim3 grid(H, cdiv(P, rpb));
-#define SCAN(n) LAUNCH(grid, threads, smem, stream, ssm_scan_kernel<n>, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, chunk, H, P, G, di)
+#define SCAN(n) LAUNCH(grid, threads, smem, stream, ssm_scan_kernel<n>, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, chunk, H, P, G, di, warm, warm_n)
     switch (N) {
     case 8: SCAN(8); break;
     case 16: SCAN(16); break;
@@ -598,7 +619,8 @@ __global__ void kv_append_kernel(float *kc, float *vc, const float *qkv, int ld,
  * online softmax over its SPLIT keys and writes (max, sum, sum_j e^(s_j - max) v_j) for combine. */
 __global__ void __launch_bounds__(128) attn_decode_kernel(
         float *part, const float *q, const float *kc, const float *vc, const int *pos, int kw, int hd,
-        int group, int q0, int kv0, float scale, int splits) {
+        int group, int q0, int kv0, float scale, int splits, const void *warm, size_t warm_n) {
+    l2_warm(warm, warm_n);
     pdl_wait();
     int h = blockIdx.x, s = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int n = *pos + 1, j0 = s * SPLIT, j1 = min(n, j0 + SPLIT);
@@ -975,7 +997,7 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
         LAUNCH(cdiv(cv, 128), 128, 0, g->stream, conv_state_kernel, L->conv_st, g->proj + di, in, T, cv);
     }
     ssm_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
-             s->groups, di);
+             s->groups, di, L->out.w, T == 1 ? warm_bytes(&L->out) : 0);
     LAUNCH(T * s->groups, gated_norm_threads(di / s->groups), 0, g->stream, gated_norm_kernel, g->y, g->proj, in, L->gnorm, di, di / s->groups, c->eps);
     matmul(g, mixer_out(r), H, g->y, di, T, &L->out, EPI_NONE);
 }
@@ -991,7 +1013,7 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
     LAUNCH(T, 256, 0, g->stream, kv_append_kernel, L->k, L->v, g->proj, w, qw, kw, g->pos);
     if (T == 1) {
         LAUNCH(dim3(s->q, g->splits), 128, 0, g->stream, attn_decode_kernel, g->part, g->proj, L->k, L->v, g->pos, kw, hd, group,
-                                                                         s->q0, s->kv0, scale, g->splits);
+                                                                         s->q0, s->kv0, scale, g->splits, L->o.w, warm_bytes(&L->o));
         LAUNCH(s->q, 128, 0, g->stream, attn_combine_kernel, g->y, g->part, g->pos, hd, g->splits);
     } else {
         /* per head: S = scale Q K^T over keys 0..pos+T-1; causal softmax; O = S V (fp32 cuBLAS) */

@@ -171,7 +171,7 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
         if (T > 1) {
             LAUNCH(cdiv(cv, 128), 128, 0, 0, conv_state_kernel, d_cst, d_proj + di, in, T, cv);
         }
-        ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
+        ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, d_proj, (size_t)T * in * sizeof(float));
         std::vector<float> y_scan = host_copy(d_y, (size_t)T * di);
         LAUNCH(T * G, gated_norm_threads(di / G), 0, 0, gated_norm_kernel, d_y, d_proj, in, d_gw, di, di / G, 1e-5f);
         /* host, float64: the same steps as nemoh.c's cpu_mamba */
@@ -241,7 +241,7 @@ static void test_attention(int q, int kv, int hd, int pos) {
     CUDA_CHECK(cudaMemcpy(d_pos, &pos, sizeof(int), cudaMemcpyHostToDevice));
     float scale = 1.0f / sqrtf((float)hd);
     LAUNCH(1, 256, 0, 0, kv_append_kernel, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
-    LAUNCH(dim3(q, splits), 128, 0, 0, attn_decode_kernel, d_part, d_qkv, d_k, d_v, d_pos, kw, hd, group, 0, 0, scale, splits);
+    LAUNCH(dim3(q, splits), 128, 0, 0, attn_decode_kernel, d_part, d_qkv, d_k, d_v, d_pos, kw, hd, group, 0, 0, scale, splits, d_k, (size_t)ctx * kw * sizeof(float));
     LAUNCH(q, 128, 0, 0, attn_combine_kernel, d_y, d_part, d_pos, hd, splits);
     for (int i = 0; i < kw; i++) { kc[(size_t)pos * kw + i] = qkv[q * hd + i]; vc[(size_t)pos * kw + i] = qkv[q * hd + kw + i]; }
     std::vector<double> ref((size_t)q * hd);
@@ -388,7 +388,7 @@ static void time_scan(int H, int P, int G, int N, int T) {
     float *d_proj = dev_copy(rand_vec((size_t)T * in, 0.5f)), *d_xbc = dev_copy(rand_vec((size_t)T * cv, 0.5f));
     float *d_y = dev_copy(std::vector<float>((size_t)T * di)), *d_ssm = dev_copy(std::vector<float>((size_t)di * N));
     float *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb);
-    float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di); });
+    float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, nullptr, 0); });
     printf("# selective scan %d heads x %d, N %d, G %d, %d step%s: %.1f us\n", H, P, N, G, T, T > 1 ? "s" : "", us);
     for (float *p : {d_proj, d_xbc, d_y, d_ssm, d_A, d_D, d_dtb}) CUDA_CHECK(cudaFree(p));
 }
