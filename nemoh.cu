@@ -144,25 +144,27 @@ enum { FUSED_BLOCKS = 1024, NORM_THREADS = 512, NORM_PER = 16, SPLIT = 64 };
  * Kernels: embedding, norms, elementwise
  * ---------------------------------------------------------------------------------------------- */
 
-__device__ float warp_sum(float v) {
+/* Sum over the warp (a butterfly); every lane gets the result. */
+template <typename T> __device__ T warp_sum(T v) {
     for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
-/* Sum over the block (blockDim a multiple of 32, at most 1024); every thread gets the result. */
-__device__ float block_sum(float v) {
-    __shared__ float part[32];
-    __shared__ float total;
+/* Sum over the block (blockDim a multiple of 32, at most 1024) in a fixed order (within each warp,
+ * then over the warps' sums), so the same inputs give the same sum, bit for bit, on every thread. */
+template <typename T> __device__ T block_sum(T v) {
+    __shared__ T part[32];
+    __shared__ T total;
     v = warp_sum(v);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
     __syncthreads();
     if (threadIdx.x < 32) {
-        float s = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.0f;
+        T s = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : T(0);
         s = warp_sum(s);
         if (threadIdx.x == 0) total = s;
     }
     __syncthreads();
-    float r = total;
+    T r = total;
     __syncthreads();
     return r;
 }
@@ -717,18 +719,6 @@ __global__ void softmax_causal_kernel(float *S, int n_keys, const int *pos) {
  * Kernels: sampling on the GPU, so only the token id crosses to the host
  * ---------------------------------------------------------------------------------------------- */
 
-/* Sum over the block of 1024 threads in double, in a fixed order (butterfly within each warp, then the
- * 32 warp sums in turn), so the same inputs give the same sum, bit for bit, on every thread. */
-__device__ double block_dsum(double v, double *s32) {
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    if ((threadIdx.x & 31) == 0) s32[threadIdx.x >> 5] = v;
-    __syncthreads();
-    double t = 0;
-    for (int k = 0; k < 32; k++) t += s32[k];
-    __syncthreads();
-    return t;
-}
-
 /* The top-p bisection's candidates that shared memory holds (dynamic, 160 KB); with more, it reads
  * the whole vocabulary on each of its 40 passes. */
 enum { SAMPLE_CAND = 40960 };
@@ -769,7 +759,7 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
     if (temp <= 0) { if (tid == 0) *out = arg; return; }
     double tot = 0;
     for (int i = tid; i < V; i += 1024) tot += p[i] = expf((l[i] - mx) / temp);
-    double total = block_dsum(tot, sd);   /* its barriers also make p visible to the whole block */
+    double total = block_sum(tot);   /* its barriers also make p visible to the whole block */
     float lo = 0, hi = 1;
     if (topp < 1) {
         const float *q = p;   /* what the bisection reads: the vocabulary, or the candidates */
@@ -777,7 +767,7 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
         float tau = (float)((1 - topp) * total / V / 4);
         int cnt = 0;
         for (int i = w0 + lane; i < w1; i += 32) cnt += p[i] >= tau;
-        for (int o = 16; o; o >>= 1) cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
+        cnt = warp_sum(cnt);
         if (lane == 0) sn[warp] = cnt;
         __syncthreads();
         if (tid == 0) {   /* exclusive prefix of the warps' counts; sn[32] = all */
@@ -802,14 +792,14 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
             float mid = 0.5f * (lo + hi);
             double m = 0;
             for (int i = tid; i < n; i += 1024) m += q[i] >= mid ? q[i] : 0;
-            if (block_dsum(m, sd) >= topp * total) lo = mid; else hi = mid;
+            if (block_sum(m) >= topp * total) lo = mid; else hi = mid;
         }
     }
     /* the draw: the kept mass of each warp's range, then the warp whose range holds the target
        walks it with a running sum, 32 at a time */
     double mine = 0;
     for (int i = w0 + lane; i < w1; i += 32) mine += p[i] >= lo ? p[i] : 0;
-    for (int o = 16; o; o >>= 1) mine += __shfl_xor_sync(0xffffffffu, mine, o);
+    mine = warp_sum(mine);
     if (lane == 0) sd[warp] = mine;
     __syncthreads();
     double before = 0, kept = 0;
