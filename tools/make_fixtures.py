@@ -14,6 +14,7 @@ import json, math, os, shutil, sys
 import torch
 from safetensors.torch import save_file
 from transformers import NemotronHConfig, NemotronHForCausalLM
+from nemotron_h import nvidia_config, set_clamp
 
 torch.set_num_threads(os.cpu_count() or 4)
 OUT = sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures"
@@ -35,8 +36,8 @@ FIXTURES = [
 TOL = {"f32": 1e-4, "bf16": 1e-4, "f16": 1e-4}  # nemoh computes in fp32 on the stored weights, as HF does here
 
 
-def hf_config(f):
-    return NemotronHConfig(
+def hf_kwargs(f):
+    return dict(
         vocab_size=f["vocab"], hidden_size=f["hidden"], hybrid_override_pattern=f["pattern"],
         num_attention_heads=f["heads"], num_key_value_heads=f["kv"], head_dim=f["head_dim"],
         intermediate_size=f["mlp"], mamba_num_heads=f["m_heads"], mamba_head_dim=f["m_hdim"],
@@ -70,18 +71,6 @@ def init_weights(model, f, g):
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
             else:
                 raise SystemExit(f"unexpected parameter {name}")
-
-
-def set_clamp(model, on):
-    """Where transformers keeps the dt clamp has moved between versions (the mixer's time_step_min or
-    time_step_limit, or the config's): set every one of them. component_checks proves it took effect."""
-    lo = 0.001 if on else 0.0  # softplus > 0, so a clamp at 0 is the identity
-    for obj in [model.config] + [m for m in model.modules() if hasattr(m, "A_log")]:
-        obj.time_step_min = lo
-        obj.time_step_limit = (lo, float("inf"))
-        if hasattr(obj, "config"):
-            obj.config.time_step_min = lo
-            obj.config.time_step_limit = (lo, float("inf"))
 
 
 @torch.no_grad()
@@ -147,7 +136,7 @@ def stored(p, store):
 def make(f):
     g = torch.Generator().manual_seed(f["seed"])
     for attempt in range(20):
-        model = NemotronHForCausalLM(hf_config(f)).float().eval()
+        model = NemotronHForCausalLM(NemotronHConfig(**hf_kwargs(f))).float().eval()
         init_weights(model, f, g)
         # round to the stored dtype, so the fp32 reference sees exactly the weights nemoh reads
         with torch.no_grad():
@@ -175,7 +164,7 @@ def make(f):
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
     if f["layout"] == "hf":
-        half = NemotronHForCausalLM(hf_config(f)).half()
+        half = NemotronHForCausalLM(NemotronHConfig(**hf_kwargs(f))).half()
         half.load_state_dict({k: v.half() for k, v in model.state_dict().items()})
         half.save_pretrained(d)
     else:
@@ -210,19 +199,7 @@ def write_nvidia(model, f, d):
             index["weight_map"].update({k: fn for k in part})
         with open(os.path.join(d, "model.safetensors.index.json"), "w") as fh:
             json.dump(index, fh, indent=2)
-    cfg = {
-        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
-        "vocab_size": f["vocab"], "hidden_size": f["hidden"], "num_hidden_layers": len(f["pattern"]),
-        "hybrid_override_pattern": f["pattern"], "num_attention_heads": f["heads"],
-        "num_key_value_heads": f["kv"], "attention_head_dim": f["head_dim"], "intermediate_size": f["mlp"],
-        "mlp_hidden_act": "relu2", "mamba_num_heads": f["m_heads"], "mamba_head_dim": f["m_hdim"],
-        "n_groups": f["groups"], "ssm_state_size": f["state"], "conv_kernel": 4, "chunk_size": 16,
-        "mamba_hidden_act": "silu", "use_conv_bias": True, "use_bias": False, "mlp_bias": False,
-        "attention_bias": False, "rms_norm_eps": 1e-5, "layer_norm_epsilon": 1e-5,
-        "max_position_embeddings": 256, "time_step_min": 0.001, "time_step_max": 0.1,
-        "time_step_limit": [0.0, float("inf")], "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
-        "tie_word_embeddings": False, "residual_in_fp32": False, "torch_dtype": {"f32": "float32", "bf16": "bfloat16"}[f["store"]],
-    }
+    cfg = nvidia_config(hf_kwargs(f), {"f32": "float32", "bf16": "bfloat16"}[f["store"]])
     with open(os.path.join(d, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2)  # Python writes the bare token Infinity, as NVIDIA's files have it
 

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import NemotronHConfig, NemotronHForCausalLM
+from nemotron_h import nvidia_config, set_clamp
 
 data_path, out_dir, ref_dir = sys.argv[1], sys.argv[2], sys.argv[3]
 ref_only = sys.argv[4:5] == ["--ref-only"]
@@ -37,13 +38,6 @@ SEQ, BATCH = 512, 32
 docs = json.load(open(data_path))
 held = [d for i, d in enumerate(docs) if i % 20 == 7]       # 25 documents, spread over all categories
 train = [d for i, d in enumerate(docs) if i % 20 != 7]
-
-def set_clamp(model, on):
-    """HF keeps its dt clamp in the mixer's time_step_min / time_step_limit or the config: set them all."""
-    lo = 0.001 if on else 0.0
-    for obj in [model.config] + [m for m in model.modules() if hasattr(m, "A_log")]:
-        obj.time_step_min = lo
-        obj.time_step_limit = (lo, float("inf"))
 
 if not ref_only:
     # ---- tokenizer: byte-level BPE with the Tekken split, BOS by the post-processor ----
@@ -136,18 +130,7 @@ if not ref_only:
     tensors = {("backbone." + k[6:] if k.startswith("model.") else k): v.bfloat16().contiguous().cpu()
                for k, v in model.state_dict().items()}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    cfg = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": VOCAB,
-           "hidden_size": CFG["hidden_size"], "num_hidden_layers": len(CFG["hybrid_override_pattern"]),
-           "hybrid_override_pattern": CFG["hybrid_override_pattern"], "num_attention_heads": CFG["num_attention_heads"],
-           "num_key_value_heads": CFG["num_key_value_heads"], "attention_head_dim": CFG["head_dim"],
-           "intermediate_size": CFG["intermediate_size"], "mlp_hidden_act": "relu2",
-           "mamba_num_heads": CFG["mamba_num_heads"], "mamba_head_dim": CFG["mamba_head_dim"], "n_groups": CFG["n_groups"],
-           "ssm_state_size": CFG["ssm_state_size"], "conv_kernel": 4, "chunk_size": CFG["chunk_size"],
-           "mamba_hidden_act": "silu", "use_conv_bias": True, "use_bias": False, "mlp_bias": False,
-           "attention_bias": False, "layer_norm_epsilon": 1e-5, "rms_norm_eps": 1e-5, "max_position_embeddings": 2048,
-           "time_step_min": 0.001, "time_step_max": 0.1, "time_step_limit": [0.0, float("inf")],
-           "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False,
-           "residual_in_fp32": False, "torch_dtype": "bfloat16"}
+    cfg = nvidia_config(CFG, "bfloat16")
     json.dump(cfg, open(os.path.join(out_dir, "config.json"), "w"), indent=2)
     json.dump({"parameters": n_params, "train_tokens": train_ids.numel(), "held_out_tokens": held_ids.numel(),
                "held_out_loss_bf16_weights": round(final, 4), "held_out_ppl_bf16_weights": round(math.exp(final), 2),
