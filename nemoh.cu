@@ -43,7 +43,8 @@ static int cdiv(long a, long b) { return (int)((a + b - 1) / b); }
  * therefore begins with pdl_wait(), which returns once the previous kernel has finished and its
  * writes are visible. Before it a kernel may read only what the kernel just before it cannot be
  * writing (every earlier one has finished: each waits for its predecessor before letting the next
- * start): weights, and the SSM state, which only the scan writes, never twice in a row. */
+ * start): weights; the SSM state, which only the scan writes, never twice in a row; and, in the scan
+ * at decode, z, which in_proj wrote before the conv kernel between them. */
 template <typename... P, typename... A>
 static void launch(const char *file, int line, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                    void (*kernel)(P...), A... args) {
@@ -75,6 +76,8 @@ typedef struct {
     int rows, cols;             /* logical shape */
     int ld;                     /* row stride in elements, a multiple of 8 (16-byte rows) */
 } GMat;
+
+static size_t gmat_bytes(const GMat *W) { return (size_t)W->rows * W->ld * (W->bf ? 2 : 4); }
 
 typedef struct {
     float *norm;                /* [hidden] pre-mixer RMSNorm weight */
@@ -119,6 +122,7 @@ typedef struct {
     bf16 *act16;                /* [t_max, act_w] bf16 copy of a GEMM input */
     float *scores;              /* [t_max, ctx] attention scores of one head (prefill) */
     float *part;                /* [q, splits, head_dim + 2] decode attention partials */
+    float *gss;                 /* [m_heads, scan blocks a head] decode: each scan block's sum of u^2 */
     float *logits_local;        /* [logit_rows, vocab / n] */
     float *logits;              /* [logit_rows, vocab] gathered (aliases logits_local at n = 1) */
     float *host_logits;         /* [logit_rows, vocab] pinned copy for --dump-logits */
@@ -309,7 +313,36 @@ __device__ __forceinline__ float dot16(uint4 w, const float *x, int bf) {
     return __uint_as_float(w.x) * a.x + __uint_as_float(w.y) * a.y + __uint_as_float(w.z) * a.z + __uint_as_float(w.w) * a.w;
 }
 
-enum { EPI_NONE, EPI_RELU2 };
+/* A product cannot start before the kernel ahead of it has finished, but its first WARM_BYTES can be
+ * on their way to L2 while the kernels ahead of it run: the draining last wave of the product before
+ * it, and a Mamba layer's conv and scan or an attention layer's cache append, attention and combine
+ * (chains of small kernels that leave HBM mostly idle). That last wave, the scan and the decode
+ * attention kernel ask for them (prefetch: no register, no wait), spread over their threads. 8 MB
+ * measured best of 8, 16, 24 and 32 (bench/RESULTS.md, S5 run 2). */
+enum { WARM_BYTES = 8 << 20 };
+
+/* Block `block` of `blocks` asks L2 for its share of the n bytes at p. */
+__device__ __forceinline__ void l2_warm(const void *p, size_t n, size_t block, size_t blocks) {
+    size_t t = block * blockDim.x + threadIdx.x, step = blocks * blockDim.x * 128;
+    for (size_t off = t * 128; off < n; off += step) asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)p + off));
+}
+
+/* The bytes of W that l2_warm asks for (none without W). */
+static size_t warm_bytes(const GMat *W) {
+    size_t b = W ? gmat_bytes(W) : 0;
+    return b < WARM_BYTES ? b : WARM_BYTES;
+}
+
+/* What a one-token product does besides the dot products: nothing; relu^2 on each output; or the
+ * gated group norm's scale, folded into out_proj at decode: x holds u * w (gated, not yet normed),
+ * and group g's columns are scaled by rsqrt(mean(u^2) + eps), mean(u^2) = (sum of ss[g * parts ..
+ * (g + 1) * parts)) / gsize, the partial sums the scan left. */
+enum { EPI_NONE, EPI_RELU2, EPI_GNORM, GNORM_PARTS = 512 /* most partial sums EPI_GNORM takes */ };
+typedef struct {
+    const float *ss;            /* [groups, parts] partial sums of u^2 */
+    int parts, gsize;           /* partial sums and channels per group */
+    float eps;
+} GroupScale;
 
 /* Blocks of two warps: as a product's last blocks drain, the next kernel's blocks take the freed
  * slots in small steps. Blocks of 8, 4 and 1 warps measured slower, and so did the code the compiler
@@ -318,10 +351,11 @@ enum { GEMV_WARPS = 2 };
 
 /* out[i] = epi(sum_k W[i][k] x[k]); wpr warps per row (1 or 2: see matmul), four to eight 16-byte
  * loads in flight per lane. x must be 16-byte aligned; W rows are (their stride ld is a multiple of
- * 8 elements). */
+ * 8 elements). Blocks from warm_from on (the last wave) then warm L2 for the next product. */
 template <int BF, int EPI>
 __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(float *out, const void *W, int ld, const float *x, int rows,
-                                                                  int cols, int wpr) {
+                                                                  int cols, int wpr, const void *warm, size_t warm_n,
+                                                                  int warm_from, GroupScale gs) {
     __shared__ float red[GEMV_WARPS];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr;
     int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr;
@@ -334,6 +368,24 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(float *out, c
         a = ld_stream(w + c); b = ld_stream(w + c + st); d = ld_stream(w + c + 2 * st); e = ld_stream(w + c + 3 * st);
     }
     pdl_wait();
+    __shared__ float gsum[EPI == EPI_GNORM ? GNORM_PARTS : 1];
+    if (EPI == EPI_GNORM) {   /* all partial sums in one round trip; then group g's scale into gsum[g * parts] */
+        constexpr int PER = GNORM_PARTS / (32 * GEMV_WARPS);
+        int n = cols / gs.gsize * gs.parts;
+        float v[PER];
+#pragma unroll
+        for (int k = 0; k < PER; k++) v[k] = threadIdx.x + k * 32 * GEMV_WARPS < n ? gs.ss[threadIdx.x + k * 32 * GEMV_WARPS] : 0.0f;
+#pragma unroll
+        for (int k = 0; k < PER; k++) gsum[threadIdx.x + k * 32 * GEMV_WARPS] = v[k];
+        __syncthreads();
+        for (int g = threadIdx.x; g < cols / gs.gsize; g += blockDim.x) {
+            float t = 0;
+            for (int j = 0; j < gs.parts; j++) t += gsum[g * gs.parts + j];
+            gsum[g * gs.parts] = rsqrtf(t / gs.gsize + gs.eps);
+        }
+        __syncthreads();
+    }
+    auto sc = [&](int k) { return EPI == EPI_GNORM ? gsum[k / gs.gsize * gs.parts] : 1.0f; };   /* element k's scale */
     float acc = 0;
     if (row < rows) {
         for (; c + 3 * st < nvec; c += 4 * st) {   /* the next four loads go out before this four's math */
@@ -342,14 +394,16 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(float *out, c
                 a = ld_stream(w + c + 4 * st); b = ld_stream(w + c + 5 * st); d = ld_stream(w + c + 6 * st);
                 e = ld_stream(w + c + 7 * st);
             }
-            acc += dot16(a0, x + c * per, BF) + dot16(b0, x + (c + st) * per, BF) + dot16(d0, x + (c + 2 * st) * per, BF) +
-                   dot16(e0, x + (c + 3 * st) * per, BF);
+            acc += sc(c * per) * dot16(a0, x + c * per, BF) + sc((c + st) * per) * dot16(b0, x + (c + st) * per, BF) +
+                   sc((c + 2 * st) * per) * dot16(d0, x + (c + 2 * st) * per, BF) +
+                   sc((c + 3 * st) * per) * dot16(e0, x + (c + 3 * st) * per, BF);
         }
-        for (; c < nvec; c += st) acc += dot16(ld_stream(w + c), x + c * per, BF);
+        for (; c < nvec; c += st) acc += sc(c * per) * dot16(ld_stream(w + c), x + c * per, BF);
         for (int k = nvec * per + part * 32 + lane; k < cols; k += st)   /* the tail that is not a whole 16 bytes */
-            acc += (BF ? __bfloat162float(((const bf16 *)wrow)[k]) : ((const float *)wrow)[k]) * x[k];
+            acc += (BF ? __bfloat162float(((const bf16 *)wrow)[k]) : ((const float *)wrow)[k]) * x[k] * sc(k);
         acc = warp_sum(acc);
     }
+    if ((int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
     if (wpr > 1) {
         if (lane == 0) red[warp] = acc;
         __syncthreads();
@@ -360,25 +414,6 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(float *out, c
         if (EPI == EPI_RELU2) { acc = fmaxf(acc, 0.0f); acc *= acc; }
         out[row] = acc;
     }
-}
-
-/* A Mamba layer's conv, scan and gated norm, and an attention layer's cache append, attention and
- * combine, are chains of small dependent kernels that leave HBM mostly idle; the product after them
- * (out_proj, o_proj) cannot start early, but its first WARM_BYTES can be on their way to L2. The
- * scan and the decode attention kernel ask for them (prefetch: no register, no wait), spread over all
- * their threads. 8 MB measured best of 8, 16, 24 and 32 (bench/RESULTS.md, S5 run 2). */
-enum { WARM_BYTES = 8 << 20 };
-
-__device__ __forceinline__ void l2_warm(const void *p, size_t n) {
-    size_t threads = (size_t)gridDim.x * gridDim.y * blockDim.x;
-    size_t t = ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
-    for (size_t off = t * 128; off < n; off += threads * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)p + off));
-}
-
-/* The bytes of W that l2_warm asks for. */
-static size_t warm_bytes(const GMat *W) {
-    size_t b = (size_t)W->rows * W->ld * (W->bf ? 2 : 4);
-    return b < WARM_BYTES ? b : WARM_BYTES;
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -445,7 +480,9 @@ __global__ void conv_state_kernel(float *state, const float *in, int ldi, int T,
  * the four row sums are reduce-scattered over the LR lanes: after two exchanges each lane carries one
  * row, so a step costs a handful of shuffles, not four full reductions. The block copies the inputs
  * of the next `chunk` steps (its group's B and C, its rows' x, the raw dt) into shared memory with
- * cp.async while it computes the current ones. T = 1 is the decode step. */
+ * cp.async while it computes the current ones. T = 1 is the decode step; there, given gw and gss, the
+ * scan also gates (see EPI_GNORM): y = u * gw with u = y * silu(z), z the first di columns of proj,
+ * and gss[h * gridDim.y + blockIdx.y] = the sum of u^2 over the block's rows. */
 enum { SCAN_STEPS = 16, SCAN_THREADS = 256 };
 
 __device__ __forceinline__ void cp_async4(float *dst, const float *src) {
@@ -460,7 +497,8 @@ __host__ __device__ constexpr int scan_lanes(int N) { return N >= 16 ? 16 : N; }
 template <int N>
 __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
         float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off, const float *A,
-        const float *D, const float *dt_bias, int T, int chunk, int H, int P, int G, int di, const void *warm, size_t warm_n) {
+        const float *D, const float *dt_bias, int T, int chunk, int H, int P, int G, int di, const void *warm, size_t warm_n,
+        const float *gw, float *gss) {
     constexpr int LR = scan_lanes(N), E = N / LR;   /* compile-time: shared-memory offsets become immediates */
     extern __shared__ float4 sm4[];
     float *sm = (float *)sm4;
@@ -477,7 +515,12 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
 #pragma unroll
         for (int e = 0; e < E; e++) S[k][e] = p < P ? st[e * LR] : 0.0f;
     }
-    l2_warm(warm, warm_n);
+    l2_warm(warm, warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
+    /* the row this lane writes (see the reduce-scatter below); its z and gw are ready (see LAUNCH) */
+    int row = 2 * ((sub & (LR / 2)) != 0) + ((sub & (LR / 4)) != 0), pw = p0 + q * 4 + row;
+    int writer = (sub & (LR / 4 - 1)) == 0 && pw < P;
+    float zw = 0, gww = 0, uu = 0;   /* z, gw of that row; sum of u^2 */
+    if (gss && writer) { zw = proj[h * P + pw]; gww = gw[h * P + pw]; }
     pdl_wait();
     auto stage = [&](int t0, int buf) {   /* the inputs of steps t0 .. t0 + chunk - 1 into buffer buf */
         int steps = min(chunk, T - t0);
@@ -530,10 +573,21 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
             float k1 = (hi ? v[3] : v[1]) + __shfl_xor_sync(0xffffffffu, hi ? v[1] : v[3], o);
             float r = (hi2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi2 ? k0 : k1, o / 2);
             for (o /= 4; o; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
-            int row = 2 * hi + hi2, p = p0 + q * 4 + row;
-            if ((sub & (LR / 4 - 1)) == 0 && p < P) y[(size_t)(t0 + s) * di + h * P + p] = r + d * xs[row];
+            if (writer) {
+                float yv = r + d * xs[row];
+                if (gss) {
+                    float u = yv * zw / (1.0f + __expf(-zw));
+                    uu += u * u;
+                    yv = u * gww;
+                }
+                y[(size_t)(t0 + s) * di + h * P + pw] = yv;
+            }
         }
         __syncthreads();   /* this buffer and sdt are free for the next chunk */
+    }
+    if (gss) {
+        float total = block_sum(uu);
+        if (threadIdx.x == 0) gss[h * gridDim.y + blockIdx.y] = total;
     }
 #pragma unroll
     for (int k = 0; k < 4; k++) {
@@ -546,16 +600,21 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
     }
 }
 
-/* Launches the scan for H heads of P channels, state size N: groups of four rows, a block of at most
- * SCAN_THREADS, half the chunk at N = 256 to stay under 48 KB of shared memory. */
+/* The scan's block: groups of four rows, at most SCAN_THREADS threads. */
+static int scan_threads(int P, int N) { return std::min((int)SCAN_THREADS, ((P + 3) / 4 * scan_lanes(N) + 31) / 32 * 32); }
+
+/* The scan's blocks per head (each leaves one partial sum of u^2 when it gates). */
+static int scan_blocks(int P, int N) { return cdiv(P, scan_threads(P, N) / scan_lanes(N) * 4); }
+
+/* Launches the scan for H heads of P channels, state size N; half the chunk at N = 256 to stay under
+ * 48 KB of shared memory. gw, gss: gate at decode (NULL: not). */
 static void ssm_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
                      const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di,
-                     const void *warm, size_t warm_n) {
-    int LR = scan_lanes(N), threads = std::min((int)SCAN_THREADS, ((P + 3) / 4 * LR + 31) / 32 * 32);
-    int rpb = threads / LR * 4, chunk = N > 128 ? SCAN_STEPS / 2 : SCAN_STEPS;
+                     const void *warm, size_t warm_n, const float *gw, float *gss) {
+    int threads = scan_threads(P, N), rpb = threads / scan_lanes(N) * 4, chunk = N > 128 ? SCAN_STEPS / 2 : SCAN_STEPS;
     size_t smem = (size_t)(2 * chunk * (2 * N + rpb + 1) + 2 * SCAN_STEPS) * sizeof(float);
-    dim3 grid(H, cdiv(P, rpb));
-#define SCAN(n) LAUNCH(grid, threads, smem, stream, ssm_scan_kernel<n>, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, chunk, H, P, G, di, warm, warm_n)
+    dim3 grid(H, scan_blocks(P, N));
+#define SCAN(n) LAUNCH(grid, threads, smem, stream, ssm_scan_kernel<n>, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, chunk, H, P, G, di, warm, warm_n, gw, gss)
     switch (N) {
     case 8: SCAN(8); break;
     case 16: SCAN(16); break;
@@ -622,7 +681,7 @@ __global__ void kv_append_kernel(float *kc, float *vc, const float *qkv, int ld,
 __global__ void __launch_bounds__(128) attn_decode_kernel(
         float *part, const float *q, const float *kc, const float *vc, const int *pos, int kw, int hd,
         int group, int q0, int kv0, float scale, int splits, const void *warm, size_t warm_n) {
-    l2_warm(warm, warm_n);
+    l2_warm(warm, warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
     pdl_wait();
     int h = blockIdx.x, s = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int n = *pos + 1, j0 = s * SPLIT, j1 = min(n, j0 + SPLIT);
@@ -856,13 +915,19 @@ static int gemv_wpr(const GpuRank *g, const GMat *W) {
     return best;
 }
 
-/* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2 */
-static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi) {
+/* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2, or at T = 1
+ * the group scale gs (EPI_GNORM). At T = 1 the last wave then warms L2 for `next`, the product that
+ * follows. */
+static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi, const GMat *next,
+                   const GroupScale *gs) {
     if (T == 1) {
-        int wpr = gemv_wpr(g, W);
-        void (*kernel)(float *, const void *, int, const float *, int, int, int) =
-            W->bf ? (epi ? gemv_kernel<1, EPI_RELU2> : gemv_kernel<1, EPI_NONE>) : (epi ? gemv_kernel<0, EPI_RELU2> : gemv_kernel<0, EPI_NONE>);
-        LAUNCH(cdiv(W->rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g->stream, kernel, out, W->w, W->ld, x, W->rows, W->cols, wpr);
+        int wpr = gemv_wpr(g, W), blocks = cdiv(W->rows, GEMV_WARPS / wpr);
+        void (*kernels[2][3])(float *, const void *, int, const float *, int, int, int, const void *, size_t, int, GroupScale) = {
+            {gemv_kernel<0, EPI_NONE>, gemv_kernel<0, EPI_RELU2>, gemv_kernel<0, EPI_GNORM>},
+            {gemv_kernel<1, EPI_NONE>, gemv_kernel<1, EPI_RELU2>, gemv_kernel<1, EPI_GNORM>}};
+        GroupScale none = {NULL, 0, 1, 0.0f};
+        LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, kernels[W->bf][epi], out, W->w, W->ld, x, W->rows, W->cols, wpr,
+               next ? next->w : NULL, warm_bytes(next), blocks > g->gemv_slots ? blocks - g->gemv_slots : 0, gs ? *gs : none);
         return;
     }
     /* row-major out[T][rows] = x[T][cols] W^T is column-major out^T = W^T(op T of W's storage) x^T */
@@ -876,7 +941,7 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
         CUBLAS_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, W->rows, T, W->cols, &one, W->w, CUDA_R_32F, W->ld,
                                   x, CUDA_R_32F, ldx, &zero, out, CUDA_R_32F, ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
-    if (epi) {  /* relu^2 over the T dense rows (epi is only asked for with ldo == rows) */
+    if (epi == EPI_RELU2) {  /* over the T dense rows (only asked for with ldo == rows) */
         LAUNCH(cdiv((long)T * W->rows, 256), 256, 0, g->stream, relu2_kernel, out, (size_t)T * W->rows);
     }
 }
@@ -966,6 +1031,12 @@ static void gpu_allreduce(Rank *r, int T) {
     g->slot ^= 1;
 }
 
+/* Layer l's first product (lm_head after the last layer): what the product before it warms L2 for. */
+static const GMat *first_product(GpuRank *g, const Config *c, int l) {
+    if (l >= c->n_layers) return &g->lm_head;
+    return c->kind[l] == 'M' ? &g->L[l].in_proj : c->kind[l] == '*' ? &g->L[l].qkv : &g->L[l].up;
+}
+
 /* Where the current mixer writes its partial sums. */
 static float *mixer_out(Rank *r) {
     GpuRank *g = G(r);
@@ -981,15 +1052,22 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     const Config *c = r->c;
     const Shard *s = &r->s;
     int H = c->hidden, di = s->d_inner, cv = s->conv, in = s->in_proj, N = c->d_state;
-    matmul(g, g->proj, in, g->x, H, T, &L->in_proj, EPI_NONE);
+    matmul(g, g->proj, in, g->x, H, T, &L->in_proj, EPI_NONE, &L->out, NULL);
     LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, g->stream, conv_kernel, g->xbc, g->proj + di, in, L->conv_st, L->conv_w, L->conv_b, T, cv);
     if (T > 1) {
         LAUNCH(cdiv(cv, 128), 128, 0, g->stream, conv_state_kernel, L->conv_st, g->proj + di, in, T, cv);
     }
+    /* At decode, the gated norm folds into the scan and out_proj (see EPI_GNORM), where a group is whole
+     * 16-byte pieces of y and the scan's partial sums fit */
+    int gsize = di / s->groups, parts = s->m_heads / s->groups * scan_blocks(c->m_hdim, N);
+    int fold = T == 1 && gsize % 8 == 0 && parts * s->groups <= GNORM_PARTS;
     ssm_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
-             s->groups, di, L->out.w, T == 1 ? warm_bytes(&L->out) : 0);
-    LAUNCH(T * s->groups, gated_norm_threads(di / s->groups), 0, g->stream, gated_norm_kernel, g->y, g->proj, in, L->gnorm, di, di / s->groups, c->eps);
-    matmul(g, mixer_out(r), H, g->y, di, T, &L->out, EPI_NONE);
+             s->groups, di, L->out.w, T == 1 ? warm_bytes(&L->out) : 0, fold ? L->gnorm : NULL, fold ? g->gss : NULL);
+    GroupScale gs = {g->gss, parts, gsize, c->eps};
+    if (!fold) {
+        LAUNCH(T * s->groups, gated_norm_threads(gsize), 0, g->stream, gated_norm_kernel, g->y, g->proj, in, L->gnorm, di, gsize, c->eps);
+    }
+    matmul(g, mixer_out(r), H, g->y, di, T, &L->out, fold ? EPI_GNORM : EPI_NONE, first_product(g, c, l + 1), &gs);
 }
 
 static void gpu_attention(Rank *r, int l, int T, int pos) {
@@ -999,7 +1077,7 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
     const Shard *s = &r->s;
     int H = c->hidden, hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, w = qw + 2 * kw, group = c->n_heads / c->n_kv;
     float scale = 1.0f / sqrtf((float)hd);
-    matmul(g, g->proj, w, g->x, H, T, &L->qkv, EPI_NONE);
+    matmul(g, g->proj, w, g->x, H, T, &L->qkv, EPI_NONE, &L->o, NULL);
     LAUNCH(T, 256, 0, g->stream, kv_append_kernel, L->k, L->v, g->proj, w, qw, kw, g->pos);
     if (T == 1) {
         LAUNCH(dim3(s->q, g->splits), 128, 0, g->stream, attn_decode_kernel, g->part, g->proj, L->k, L->v, g->pos, kw, hd, group,
@@ -1018,15 +1096,15 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
                                      n_keys, &zero, g->y + h * hd, qw));
         }
     }
-    matmul(g, mixer_out(r), H, g->y, qw, T, &L->o, EPI_NONE);
+    matmul(g, mixer_out(r), H, g->y, qw, T, &L->o, EPI_NONE, first_product(g, c, l + 1), NULL);
 }
 
 static void gpu_mlp(Rank *r, int l, int T) {
     GpuRank *g = G(r);
     GLayer *L = &g->L[l];
     int H = r->c->hidden, m = r->s.mlp;
-    matmul(g, g->proj, m, g->x, H, T, &L->up, EPI_RELU2);
-    matmul(g, mixer_out(r), H, g->proj, m, T, &L->down, EPI_NONE);
+    matmul(g, g->proj, m, g->x, H, T, &L->up, EPI_RELU2, &L->down, NULL);
+    matmul(g, mixer_out(r), H, g->proj, m, T, &L->down, EPI_NONE, first_product(g, r->c, l + 1), NULL);
 }
 
 static void gpu_logits(Rank *r, int T, int all) {
@@ -1034,7 +1112,7 @@ static void gpu_logits(Rank *r, int T, int all) {
     const Config *c = r->c;
     int H = c->hidden, Vl = r->s.vocab, rows = all ? T : 1;
     const float *x = g->x + (size_t)(all ? 0 : T - 1) * H;
-    matmul(g, g->logits_local, Vl, x, H, rows, &g->lm_head, EPI_NONE);
+    matmul(g, g->logits_local, Vl, x, H, rows, &g->lm_head, EPI_NONE, first_product(g, c, 0), NULL);  /* the next token's */
     if (r->s.n > 1) {  /* row t of the gathered logits: [rank 0 slice | rank 1 slice | ...] */
         NCCL_CHECK(ncclGroupStart());
         for (int t = 0; t < rows; t++)
@@ -1125,7 +1203,7 @@ static GMat upload_mat(const Mat *parts, int n_parts) {
     m.cols = parts[0].cols;
     m.ld = pad8(m.cols);
     for (int k = 0; k < n_parts; k++) m.rows += parts[k].rows;
-    size_t es = m.bf ? 2 : 4, bytes = (size_t)m.rows * m.ld * es;
+    size_t es = m.bf ? 2 : 4, bytes = gmat_bytes(&m);
     CUDA_CHECK(cudaMalloc(&m.w, bytes));
     CUDA_CHECK(cudaMemset(m.w, 0, bytes));
     if (!parts[0].data) {
@@ -1288,6 +1366,7 @@ static void gpu_init(Rank *r) {
     CUDA_CHECK(cudaMalloc(&g->act16, T * g->act_w * sizeof(bf16)));
     g->scores = zeros(T * r->ctx);
     g->part = zeros((size_t)(s->q ? s->q : 1) * g->splits * (hd + 2));
+    g->gss = zeros(s->m_heads ? (size_t)s->m_heads * scan_blocks(c->m_hdim, c->d_state) : 1);
     g->logits_local = zeros((size_t)sh->logit_rows * s->vocab);
     g->logits = s->n > 1 ? zeros((size_t)sh->logit_rows * c->vocab) : g->logits_local;
     CUDA_CHECK(cudaMallocHost(&g->host_logits, (size_t)sh->logit_rows * c->vocab * sizeof(float)));
@@ -1318,7 +1397,7 @@ static void gpu_free(Rank *r) {
         for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     }
     void *ptrs[] = {g->embed, g->lm_head.w, g->norm_f, g->res, g->x, g->red, g->proj, g->xbc, g->y, g->act16, g->scores,
-                    g->part, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
+                    g->part, g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     CUDA_CHECK(cudaFreeHost(g->host_logits));

@@ -91,7 +91,7 @@ static void test_matmul(int bf, int rows, int cols, int T, int epi) {
     g.act_w = pad8(cols);
     float *dx = dev_copy(x), *dout;
     CUDA_CHECK(cudaMalloc(&dout, (size_t)T * rows * sizeof(float)));
-    matmul(&g, dout, rows, dx, cols, T, &W, epi);
+    matmul(&g, dout, rows, dx, cols, T, &W, epi, &W, nullptr);   /* warms its own rows again: harmless, and run */
     std::vector<double> ref((size_t)T * rows);
     for (int t = 0; t < T; t++)
         for (int i = 0; i < rows; i++) {
@@ -154,7 +154,9 @@ static void test_norms(int H, int T) {
     CUDA_CHECK(cudaFree(dtok));
 }
 
-/* ---- Mamba2: conv + state, the selective scan + state, the gated group norm, over several calls ---- */
+/* ---- Mamba2: conv + state, the selective scan + state, the gated group norm, over several calls; at a
+ * single step whose groups are whole 16-byte pieces, the gated norm as decode folds it: the scan gates
+ * and out_proj (a random one here, 37 x di) scales the groups (EPI_GNORM) ---- */
 static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
     int di = H * P, cv = di + 2 * G * N, in = di + cv + H + 3;   /* proj rows: z | xBC | dt, then padding */
     std::vector<float> cw = rand_vec((size_t)cv * 4, 0.5f), cb = rand_vec(cv, 0.2f), A(H), D = rand_vec(H), dtb(H),
@@ -163,17 +165,29 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
     std::vector<double> conv_st((size_t)cv * 3, 0.0), ssm((size_t)di * N, 0.0);
     float *d_cw = dev_copy(cw), *d_cb = dev_copy(cb), *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb);
     float *d_gw = dev_copy(gw), *d_cst = dev_copy(std::vector<float>((size_t)cv * 3)), *d_ssm = dev_copy(std::vector<float>((size_t)di * N));
-    int LR = scan_lanes(N);
+    int LR = scan_lanes(N), gs = di / G, rows = 37;
+    std::vector<float> wo = rand_vec((size_t)rows * di, 1.0f / sqrtf((float)di));
+    for (auto &v : wo) v = bf16_round(v);
+    std::vector<uint16_t> wob(wo.size());
+    for (size_t i = 0; i < wo.size(); i++) { __nv_bfloat16 b = __float2bfloat16(wo[i]); memcpy(&wob[i], &b, 2); }
+    Mat wm = {wob.data(), DT_BF16, rows, di, (size_t)di};
+    GMat Wo = upload_mat(&wm, 1);
+    GpuRank gr = make_rank(1);
+    float *d_gss = dev_copy(std::vector<float>((size_t)H * scan_blocks(P, N))), *d_out = dev_copy(std::vector<float>(rows));
     for (int T : steps) {
+        int fold = T == 1 && gs % 8 == 0;
         std::vector<float> proj = rand_vec((size_t)T * in);
         float *d_proj = dev_copy(proj), *d_xbc = dev_copy(std::vector<float>((size_t)T * cv)), *d_y = dev_copy(std::vector<float>((size_t)T * di));
         LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv);
         if (T > 1) {
             LAUNCH(cdiv(cv, 128), 128, 0, 0, conv_state_kernel, d_cst, d_proj + di, in, T, cv);
         }
-        ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, d_proj, (size_t)T * in * sizeof(float));
+        ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, d_proj, (size_t)T * in * sizeof(float),
+                 fold ? d_gw : nullptr, fold ? d_gss : nullptr);
         std::vector<float> y_scan = host_copy(d_y, (size_t)T * di);
-        LAUNCH(T * G, gated_norm_threads(di / G), 0, 0, gated_norm_kernel, d_y, d_proj, in, d_gw, di, di / G, 1e-5f);
+        GroupScale gsc = {d_gss, H / G * scan_blocks(P, N), gs, 1e-5f};
+        if (fold) matmul(&gr, d_out, rows, d_y, di, 1, &Wo, EPI_GNORM, nullptr, &gsc);
+        else LAUNCH(T * G, gated_norm_threads(gs), 0, 0, gated_norm_kernel, d_y, d_proj, in, d_gw, di, gs, 1e-5f);
         /* host, float64: the same steps as nemoh.c's cpu_mamba */
         std::vector<double> xbc((size_t)T * cv), y((size_t)T * di), u((size_t)T * di);
         for (int c = 0; c < cv; c++) {
@@ -201,7 +215,7 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
                     y[(size_t)t * di + h * P + p] = acc + D[h] * xv;
                 }
             }
-        int gs = di / G;
+        std::vector<double> yg = y;   /* what the scan writes: y, or at a folded step u * gw */
         for (int t = 0; t < T; t++)
             for (int g = 0; g < G; g++) {
                 double ss = 0;
@@ -210,6 +224,7 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
                     double z = proj[(size_t)t * in + g * gs + i];
                     u[k] = y[k] * z / (1 + exp(-z));
                     ss += u[k] * u[k];
+                    if (fold) yg[k] = u[k] * gw[g * gs + i];
                 }
                 for (int i = 0; i < gs; i++) u[(size_t)t * di + g * gs + i] *= gw[g * gs + i] / sqrt(ss / gs + 1e-5);
             }
@@ -219,15 +234,24 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
         expect(what, host_copy(d_xbc, xbc.size()), xbc, 2e-6);
         snprintf(what, sizeof what, "conv1d state after those steps");
         expect(what, host_copy(d_cst, cst_ref.size()), cst_ref, 0);
-        snprintf(what, sizeof what, "selective scan output (N %d, %d lanes per 4 rows)", N, LR);
-        expect(what, y_scan, y, 2e-5);
+        snprintf(what, sizeof what, "selective scan output (N %d, %d lanes per 4 rows%s)", N, LR, fold ? ", gated" : "");
+        expect(what, y_scan, yg, 2e-5);
         snprintf(what, sizeof what, "selective scan state after those steps");
         expect(what, host_copy(d_ssm, st_ref.size()), st_ref, 2e-5);
-        snprintf(what, sizeof what, "gated group RMSNorm (%d groups of %d)", G, gs);
-        expect(what, host_copy(d_y, u.size()), u, 2e-5);
+        if (fold) {
+            std::vector<double> ref(rows, 0.0);
+            for (int i = 0; i < rows; i++) for (int k = 0; k < di; k++) ref[i] += wo[(size_t)i * di + k] * u[k];
+            snprintf(what, sizeof what, "gated group RMSNorm folded into out_proj (%d groups of %d)", G, gs);
+            expect(what, host_copy(d_out, rows), ref, 2e-5);
+        } else {
+            snprintf(what, sizeof what, "gated group RMSNorm (%d groups of %d)", G, gs);
+            expect(what, host_copy(d_y, u.size()), u, 2e-5);
+        }
         for (float *p : {d_proj, d_xbc, d_y}) CUDA_CHECK(cudaFree(p));
     }
-    for (float *p : {d_cw, d_cb, d_A, d_D, d_dtb, d_gw, d_cst, d_ssm}) CUDA_CHECK(cudaFree(p));
+    for (float *p : {d_cw, d_cb, d_A, d_D, d_dtb, d_gw, d_cst, d_ssm, d_gss, d_out}) CUDA_CHECK(cudaFree(p));
+    CUDA_CHECK(cudaFree(Wo.w));
+    free_rank(&gr);
 }
 
 /* ---- attention: append to the cache, decode split along the sequence, prefill softmax ---- */
@@ -325,7 +349,6 @@ static void test_sampling(int V, int peaked) {
     float *dl = dev_copy(l), *dp = dev_copy(std::vector<float>(V));
     int *dout, got;
     CUDA_CHECK(cudaMalloc(&dout, sizeof(int)));
-    CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SAMPLE_CAND * sizeof(float)));
     LAUNCH(1, 1024, SAMPLE_CAND * sizeof(float), 0, sample_kernel, dout, dl, dp, V, 0.0f, 1.0f, 1, 0);
     CUDA_CHECK(cudaMemcpy(&got, dout, sizeof(int), cudaMemcpyDeviceToHost));
     char what[128];
@@ -388,7 +411,7 @@ static void time_scan(int H, int P, int G, int N, int T) {
     float *d_proj = dev_copy(rand_vec((size_t)T * in, 0.5f)), *d_xbc = dev_copy(rand_vec((size_t)T * cv, 0.5f));
     float *d_y = dev_copy(std::vector<float>((size_t)T * di)), *d_ssm = dev_copy(std::vector<float>((size_t)di * N));
     float *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb);
-    float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, nullptr, 0); });
+    float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, nullptr, 0, nullptr, nullptr); });
     printf("# selective scan %d heads x %d, N %d, G %d, %d step%s: %.1f us\n", H, P, N, G, T, T > 1 ? "s" : "", us);
     for (float *p : {d_proj, d_xbc, d_y, d_ssm, d_A, d_D, d_dtb}) CUDA_CHECK(cudaFree(p));
 }
@@ -415,13 +438,13 @@ static void time_gemv(int rows, int cols) {
     GMat W = upload_mat(&m, 1);
     GpuRank g = make_rank(8);
     float *dx = dev_copy(rand_vec(cols)), *dout = dev_copy(std::vector<float>(rows));
-    float us = time_us(g.stream, 50, [&] { matmul(&g, dout, rows, dx, cols, 1, &W, 0); });
+    float us = time_us(g.stream, 50, [&] { matmul(&g, dout, rows, dx, cols, 1, &W, 0, nullptr, nullptr); });
     printf("# gemv bf16 %dx%d: %.1f us (%d warps a row), %.0f GB/s of weights; at 1, 2:", rows, cols, us, gemv_wpr(&g, &W),
            2.0 * rows * cols / (us * 1e3));
     for (int wpr = 1; wpr <= GEMV_WARPS; wpr *= 2)
         printf(" %.1f", time_us(g.stream, 50, [&] {
             LAUNCH(cdiv(rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g.stream, gemv_kernel<1, EPI_NONE>, dout, W.w, W.ld, dx, rows,
-                   cols, wpr);
+                   cols, wpr, nullptr, 0, 0, GroupScale{});
         }));
     printf(" us\n");
     CUDA_CHECK(cudaFree(W.w));
@@ -434,6 +457,8 @@ int main(int argc, char **argv) {
     uint64_t seed = argc > 1 ? strtoull(argv[1], NULL, 10) : std::random_device{}();
     rng.seed(seed);
     printf("# seed %llu (run with it as the argument to repeat)\n", (unsigned long long)seed);
+    /* the sampler's candidate buffer, as gpu_init sets it up */
+    CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SAMPLE_CAND * sizeof(float)));
     for (int bf = 0; bf < 2; bf++) {
         test_matmul(bf, 37, 1000, 1, 0);
         test_matmul(bf, 300, 4099, 1, 0);
