@@ -185,7 +185,7 @@ __global__ void embed_kernel(float *res, const void *emb, int bf, const int *tok
 /* The two norm kernels below hold a row in registers, NORM_PER elements a thread (element
  * threadIdx.x + k * NORM_THREADS; hidden <= NORM_PER * NORM_THREADS), so its loads are all in flight
  * together: a norm costs a couple of memory round trips, not one per element. 1024 threads of 8
- * decoded the 8B shape ~30 us a token faster than 512 of 16 (bench/RESULTS.md, S6 run 6). */
+ * decoded the 8B shape 6 to 30 us a token faster than 512 of 16 (bench/RESULTS.md, S6 runs 6, 7). */
 
 /* This thread's part of the norm weight w (read before the wait, off the critical path). */
 __device__ __forceinline__ void norm_weight(float (&wv)[NORM_PER], const float *w, int H) {
