@@ -607,6 +607,13 @@ static int scan_threads(int P, int N) { return std::min((int)SCAN_THREADS, ((P +
 /* The scan's blocks per head (each leaves one partial sum of u^2 when it gates). */
 static int scan_blocks(int P, int N) { return cdiv(P, scan_threads(P, N) / scan_lanes(N) * 4); }
 
+/* Whether a step of T tokens over H heads folds the gated norm into the scan and out_proj (see
+ * EPI_GNORM): at decode, where a group of gsize channels is whole 16-byte pieces of y and all the
+ * scan's partial sums fit. */
+static int gnorm_folds(int T, int H, int P, int N, int gsize) {
+    return T == 1 && gsize % 8 == 0 && H * scan_blocks(P, N) <= GNORM_PARTS;
+}
+
 /* Launches the scan for H heads of P channels, state size N; half the chunk at N = 256 to stay under
  * 48 KB of shared memory. gw, gss: gate at decode (NULL: not). */
 static void ssm_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
@@ -1058,13 +1065,10 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     if (T > 1) {
         LAUNCH(cdiv(cv, 128), 128, 0, g->stream, conv_state_kernel, L->conv_st, g->proj + di, in, T, cv);
     }
-    /* At decode, the gated norm folds into the scan and out_proj (see EPI_GNORM), where a group is whole
-     * 16-byte pieces of y and the scan's partial sums fit */
-    int gsize = di / s->groups, parts = s->m_heads / s->groups * scan_blocks(c->m_hdim, N);
-    int fold = T == 1 && gsize % 8 == 0 && parts * s->groups <= GNORM_PARTS;
+    int gsize = di / s->groups, fold = gnorm_folds(T, s->m_heads, c->m_hdim, N, gsize);
     ssm_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
              s->groups, di, L->out.w, T == 1 ? warm_bytes(&L->out) : 0, fold ? L->gnorm : NULL, fold ? g->gss : NULL);
-    GroupScale gs = {g->gss, parts, gsize, c->eps};
+    GroupScale gs = {g->gss, s->m_heads / s->groups * scan_blocks(c->m_hdim, N), gsize, c->eps};
     if (!fold) {
         LAUNCH(T * s->groups, gated_norm_threads(gsize), 0, g->stream, gated_norm_kernel, g->y, g->proj, in, L->gnorm, di, gsize, c->eps);
     }

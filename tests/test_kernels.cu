@@ -175,7 +175,7 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
     GpuRank gr = make_rank(1);
     float *d_gss = dev_copy(std::vector<float>((size_t)H * scan_blocks(P, N))), *d_out = dev_copy(std::vector<float>(rows));
     for (int T : steps) {
-        int fold = T == 1 && gs % 8 == 0;
+        int fold = gnorm_folds(T, H, P, N, gs);
         std::vector<float> proj = rand_vec((size_t)T * in);
         float *d_proj = dev_copy(proj), *d_xbc = dev_copy(std::vector<float>((size_t)T * cv)), *d_y = dev_copy(std::vector<float>((size_t)T * di));
         LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv);
