@@ -319,7 +319,8 @@ __device__ __forceinline__ float dot16(uint4 w, const float *x, int bf) {
  * it, and a Mamba layer's conv and scan or an attention layer's cache append, attention and combine
  * (chains of small kernels that leave HBM mostly idle). That last wave, the scan and the decode
  * attention kernel ask for them (prefetch: no register, no wait), spread over their threads. 8 MB
- * measured best of 8, 16, 24 and 32 (bench/RESULTS.md, S5 run 2). */
+ * measured best of 8, 16, 24 and 32 from the scan (bench/RESULTS.md, S5 run 2), and of 4, 8 and 16
+ * with the last waves too (S6 run 6). */
 enum { WARM_BYTES = 8 << 20 };
 
 /* Block `block` of `blocks` asks L2 for its share of the n bytes at p. */
