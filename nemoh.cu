@@ -142,7 +142,7 @@ typedef struct {
     int capturing, captured;
 } GpuRank;
 
-enum { FUSED_BLOCKS = 1024, NORM_THREADS = 1024, NORM_PER = 8, SPLIT = 64 };
+enum { FUSED_BLOCKS = 1024, NORM_THREADS = 1024, NORM_PER = 8 };
 
 /* ------------------------------------------------------------------------------------------------
  * Kernels: embedding, norms, elementwise
@@ -685,34 +685,52 @@ __global__ void kv_append_kernel(float *kc, float *vc, const float *qkv, int ld,
     }
 }
 
-/* One query (decode) against keys 0..pos, split along the sequence: block (head, split) keeps an
- * online softmax over its SPLIT keys and writes (max, sum, sum_j e^(s_j - max) v_j) for combine. */
+/* Decode attention splits the keys 0..pos of each head over a fixed grid of `splits` blocks (fixed so
+ * the captured step serves every position): split s takes the keys from s * len, len =
+ * ceil((pos + 1) / splits), so all blocks share the work at any length and none walks a long chain
+ * of dependent loads. At most ATTN_SPLITS, about one wave of blocks for 32 heads; fewer for short
+ * contexts, at least ATTN_MIN_KEYS keys a split at full context. A lane holds NC = ceil(head_dim / 32)
+ * elements of a row (dimension lane + 32 c). */
+enum { ATTN_SPLITS = 32, ATTN_MIN_KEYS = 64 };
+static int attn_splits(int ctx) { return std::min((int)ATTN_SPLITS, cdiv(ctx, ATTN_MIN_KEYS)); }
+__device__ __forceinline__ int attn_len(int n, int splits) { return (n + splits - 1) / splits; }
+
+/* One query (decode) against keys 0..pos: block (head, split) keeps an online softmax over its keys
+ * and writes (max, sum, sum_j e^(s_j - max) v_j) for combine; a split past the last key writes
+ * (-inf, 0, 0). A warp takes four keys at a time and issues all their K and V loads before any math. */
+template <int NC>
 __global__ void __launch_bounds__(128) attn_decode_kernel(
         float *part, const float *q, const float *kc, const float *vc, const int *pos, int kw, int hd,
         int group, int q0, int kv0, float scale, int splits, const void *warm, size_t warm_n) {
     l2_warm(warm, warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
     pdl_wait();
     int h = blockIdx.x, s = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int n = *pos + 1, j0 = s * SPLIT, j1 = min(n, j0 + SPLIT);
+    int n = *pos + 1, len = attn_len(n, splits), j0 = s * len, j1 = min(n, j0 + len);
     float *out = part + ((size_t)h * splits + s) * (hd + 2);
-    if (j0 >= n) return;
     const float *qh = q + h * hd;
     int kvh = (q0 + h) / group - kv0;
-    float m = -INFINITY, l = 0, acc[8] = {0};             /* head_dim <= 256: 8 per lane */
-    for (int j = j0 + warp; j < j1; j += 16) {            /* four keys a warp at a time: their loads in flight together */
-        float sc[4], e[4];
+    float m = -INFINITY, l = 0, acc[NC] = {0}, qv[NC];
+#pragma unroll
+    for (int c = 0; c < NC; c++) qv[c] = lane + 32 * c < hd ? qh[lane + 32 * c] : 0.0f;
+    for (int j = j0 + 4 * warp; j < j1; j += 16) {        /* keys j .. j + 3 */
+        float kv[4][NC], vv[4][NC], sc[4], e[4];
 #pragma unroll
         for (int u = 0; u < 4; u++) {
-            const float *k = kc + (size_t)(j + 4 * u) * kw + kvh * hd;
-            float dsum = 0;
+            const float *k = kc + (size_t)(j + u) * kw + kvh * hd, *v = vc + (size_t)(j + u) * kw + kvh * hd;
 #pragma unroll
-            for (int c = 0; c < 8; c++) if (j + 4 * u < j1 && lane + 32 * c < hd) dsum += qh[lane + 32 * c] * k[lane + 32 * c];
-            sc[u] = dsum;
+            for (int c = 0; c < NC; c++) {
+                bool in = j + u < j1 && lane + 32 * c < hd;
+                kv[u][c] = in ? k[lane + 32 * c] : 0.0f;
+                vv[u][c] = in ? v[lane + 32 * c] : 0.0f;
+            }
         }
         float mn = m;
 #pragma unroll
         for (int u = 0; u < 4; u++) {
-            sc[u] = j + 4 * u < j1 ? warp_sum(sc[u]) * scale : -INFINITY;
+            float d = 0;
+#pragma unroll
+            for (int c = 0; c < NC; c++) d += qv[c] * kv[u][c];
+            sc[u] = j + u < j1 ? warp_sum(d) * scale : -INFINITY;
             mn = fmaxf(mn, sc[u]);
         }
         float f = __expf(m - mn);
@@ -720,19 +738,12 @@ __global__ void __launch_bounds__(128) attn_decode_kernel(
 #pragma unroll
         for (int u = 0; u < 4; u++) { e[u] = __expf(sc[u] - mn); l += e[u]; }
 #pragma unroll
-        for (int c = 0; c < 8; c++) {
-            if (lane + 32 * c >= hd) continue;
-            float a = acc[c] * f;
-#pragma unroll
-            for (int u = 0; u < 4; u++)
-                if (j + 4 * u < j1) a += e[u] * vc[(size_t)(j + 4 * u) * kw + kvh * hd + lane + 32 * c];
-            acc[c] = a;
-        }
+        for (int c = 0; c < NC; c++) acc[c] = acc[c] * f + e[0] * vv[0][c] + e[1] * vv[1][c] + e[2] * vv[2][c] + e[3] * vv[3][c];
         m = mn;
     }
     __shared__ float sm[4], sl[4], sacc[4][256];
     if (lane == 0) { sm[warp] = m; sl[warp] = l; }
-    for (int c = 0; c < 8; c++) if (lane + 32 * c < hd) sacc[warp][lane + 32 * c] = acc[c];
+    for (int c = 0; c < NC; c++) if (lane + 32 * c < hd) sacc[warp][lane + 32 * c] = acc[c];
     __syncthreads();
     float M = fmaxf(fmaxf(sm[0], sm[1]), fmaxf(sm[2], sm[3]));
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
@@ -748,10 +759,17 @@ __global__ void __launch_bounds__(128) attn_decode_kernel(
     }
 }
 
-/* out[h] = sum over splits of e^(m_s - M) acc_s / sum over splits of e^(m_s - M) l_s */
+/* Launches attn_decode_kernel for q heads (see there). */
+static void attn_decode(cudaStream_t stream, float *part, const float *q, const float *kc, const float *vc, const int *pos, int kw,
+                        int hd, int group, int n_q, int q0, int kv0, float scale, int splits, const void *warm, size_t warm_n) {
+    auto k = hd <= 32 ? attn_decode_kernel<1> : hd <= 64 ? attn_decode_kernel<2> : hd <= 128 ? attn_decode_kernel<4> : attn_decode_kernel<8>;
+    LAUNCH(dim3(n_q, splits), 128, 0, stream, k, part, q, kc, vc, pos, kw, hd, group, q0, kv0, scale, splits, warm, warm_n);
+}
+
+/* out[h] = sum over splits of e^(m_s - M) acc_s / sum over splits of e^(m_s - M) l_s (splits with keys) */
 __global__ void attn_combine_kernel(float *y, const float *part, const int *pos, int hd, int splits) {
     pdl_wait();
-    int h = blockIdx.x, used = min(splits, (*pos + SPLIT) / SPLIT);
+    int h = blockIdx.x, n = *pos + 1, used = (n + attn_len(n, splits) - 1) / attn_len(n, splits);
     const float *p = part + (size_t)h * splits * (hd + 2);
     float M = -INFINITY, L = 0;
     for (int s = 0; s < used; s++) M = fmaxf(M, p[s * (hd + 2)]);
@@ -1086,8 +1104,8 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
     matmul(g, g->proj, w, g->x, H, T, &L->qkv, EPI_NONE, &L->o, NULL);
     LAUNCH(T, 256, 0, g->stream, kv_append_kernel, L->k, L->v, g->proj, w, qw, kw, g->pos);
     if (T == 1) {
-        LAUNCH(dim3(s->q, g->splits), 128, 0, g->stream, attn_decode_kernel, g->part, g->proj, L->k, L->v, g->pos, kw, hd, group,
-                                                                         s->q0, s->kv0, scale, g->splits, L->o.w, warm_bytes(&L->o));
+        attn_decode(g->stream, g->part, g->proj, L->k, L->v, g->pos, kw, hd, group, s->q, s->q0, s->kv0, scale, g->splits, L->o.w,
+                    warm_bytes(&L->o));
         LAUNCH(s->q, 128, 0, g->stream, attn_combine_kernel, g->y, g->part, g->pos, hd, g->splits);
     } else {
         /* per head: S = scale Q K^T over keys 0..pos+T-1; causal softmax; O = S V (fp32 cuBLAS) */
@@ -1291,7 +1309,7 @@ static void gpu_init(Rank *r) {
     if (s->mlp > g->proj_w) g->proj_w = s->mlp;
     g->y_w = s->d_inner > s->q * hd ? s->d_inner : s->q * hd;
     g->act_w = pad8((int)H > g->proj_w ? (int)H : g->proj_w);
-    g->splits = cdiv(r->ctx, SPLIT);
+    g->splits = attn_splits(r->ctx);
     g->gemv_slots = gemv_slots(r->gpu);
     CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SAMPLE_CAND * sizeof(float)));
 

@@ -255,8 +255,8 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
 }
 
 /* ---- attention: append to the cache, decode split along the sequence, prefill softmax ---- */
-static void test_attention(int q, int kv, int hd, int pos) {
-    int group = q / kv, kw = kv * hd, w = q * hd + 2 * kw, ctx = pos + 8, splits = cdiv(ctx, SPLIT);
+static void test_attention(int q, int kv, int hd, int pos, int ctx) {
+    int group = q / kv, kw = kv * hd, w = q * hd + 2 * kw, splits = attn_splits(ctx);
     std::vector<float> kc = rand_vec((size_t)ctx * kw), vc = rand_vec((size_t)ctx * kw), qkv = rand_vec(w);
     float *d_k = dev_copy(kc), *d_v = dev_copy(vc), *d_qkv = dev_copy(qkv), *d_y = dev_copy(std::vector<float>((size_t)q * hd));
     float *d_part = dev_copy(std::vector<float>((size_t)q * splits * (hd + 2)));
@@ -265,7 +265,7 @@ static void test_attention(int q, int kv, int hd, int pos) {
     CUDA_CHECK(cudaMemcpy(d_pos, &pos, sizeof(int), cudaMemcpyHostToDevice));
     float scale = 1.0f / sqrtf((float)hd);
     LAUNCH(1, 256, 0, 0, kv_append_kernel, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
-    LAUNCH(dim3(q, splits), 128, 0, 0, attn_decode_kernel, d_part, d_qkv, d_k, d_v, d_pos, kw, hd, group, 0, 0, scale, splits, d_k, (size_t)ctx * kw * sizeof(float));
+    attn_decode(0, d_part, d_qkv, d_k, d_v, d_pos, kw, hd, group, q, 0, 0, scale, splits, d_k, (size_t)ctx * kw * sizeof(float));
     LAUNCH(q, 128, 0, 0, attn_combine_kernel, d_y, d_part, d_pos, hd, splits);
     for (int i = 0; i < kw; i++) { kc[(size_t)pos * kw + i] = qkv[q * hd + i]; vc[(size_t)pos * kw + i] = qkv[q * hd + kw + i]; }
     std::vector<double> ref((size_t)q * hd);
@@ -287,7 +287,7 @@ static void test_attention(int q, int kv, int hd, int pos) {
         }
     }
     char what[128];
-    snprintf(what, sizeof what, "attention decode q %d / kv %d, head %d, position %d (%d splits)", q, kv, hd, pos, cdiv(pos + 1, SPLIT));
+    snprintf(what, sizeof what, "attention decode q %d / kv %d, head %d, position %d (%d splits of %d keys)", q, kv, hd, pos, splits, (pos + splits) / splits);
     expect(what, host_copy(d_y, ref.size()), ref, 1e-5);
     std::vector<double> kref(kc.begin(), kc.end());
     expect("kv cache append", host_copy(d_k, kc.size()), kref, 0);
@@ -476,10 +476,13 @@ int main(int argc, char **argv) {
     test_mamba(4, 12, 2, 256, {20, 1});
     test_mamba(2, 80, 1, 128, {40, 1});   /* P = 80: rows of one head across blocks */
     test_mamba(32, 64, 1, 64, {2, 1});    /* one group of 2048 channels for the gated norm */
-    test_attention(4, 2, 20, 0);
-    test_attention(6, 3, 8, 7);
-    test_attention(8, 2, 128, 300);
-    test_attention(4, 1, 64, 777);
+    test_attention(4, 2, 20, 0, 8);
+    test_attention(6, 3, 8, 7, 15);
+    test_attention(8, 2, 128, 300, 308);
+    test_attention(4, 1, 64, 777, 785);
+    test_attention(4, 2, 20, 5, 8192);      /* more splits than keys */
+    test_attention(8, 2, 128, 2046, 8192);
+    test_attention(2, 1, 256, 1000, 3001);
     test_sampling(1000, 0);
     test_sampling(131072, 0);
     test_sampling(131072, 1);
