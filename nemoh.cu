@@ -766,18 +766,29 @@ static void attn_decode(cudaStream_t stream, float *part, const float *q, const 
     LAUNCH(dim3(n_q, splits), 128, 0, stream, k, part, q, kc, vc, pos, kw, hd, group, q0, kv0, scale, splits, warm, warm_n);
 }
 
-/* out[h] = sum over splits of e^(m_s - M) acc_s / sum over splits of e^(m_s - M) l_s (splits with keys) */
-__global__ void attn_combine_kernel(float *y, const float *part, const int *pos, int hd, int splits) {
+/* out[h] = sum over splits of e^(m_s - M) acc_s / sum over splits of e^(m_s - M) l_s (splits with keys).
+ * Warp 0 turns the splits' (m_s, l_s), a lane each, into weights e^(m_s - M) / L; then each element
+ * adds its splits' terms with all their loads in flight. */
+static_assert(ATTN_SPLITS <= 32, "attn_combine_kernel: a lane per split");
+__global__ void __launch_bounds__(128) attn_combine_kernel(float *y, const float *part, const int *pos, int hd, int splits) {
     pdl_wait();
-    int h = blockIdx.x, n = *pos + 1, used = (n + attn_len(n, splits) - 1) / attn_len(n, splits);
+    __shared__ float wt[ATTN_SPLITS];
+    int h = blockIdx.x, n = *pos + 1, len = attn_len(n, splits), used = (n + len - 1) / len;
     const float *p = part + (size_t)h * splits * (hd + 2);
-    float M = -INFINITY, L = 0;
-    for (int s = 0; s < used; s++) M = fmaxf(M, p[s * (hd + 2)]);
-    for (int s = 0; s < used; s++) L += p[s * (hd + 2) + 1] * __expf(p[s * (hd + 2)] - M);
+    if (threadIdx.x < 32) {
+        int s = threadIdx.x;
+        float ms = s < used ? p[s * (hd + 2)] : -INFINITY, ls = s < used ? p[s * (hd + 2) + 1] : 0.0f, M = ms;
+        for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+        float w = __expf(ms - M);
+        float L = warp_sum(ls * w);
+        if (s < ATTN_SPLITS) wt[s] = w / L;
+    }
+    __syncthreads();
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
         float a = 0;
-        for (int s = 0; s < used; s++) a += p[s * (hd + 2) + 2 + i] * __expf(p[s * (hd + 2)] - M);
-        y[h * hd + i] = a / L;
+#pragma unroll
+        for (int s = 0; s < ATTN_SPLITS; s++) if (s < used) a += wt[s] * p[s * (hd + 2) + 2 + i];
+        y[h * hd + i] = a;
     }
 }
 
