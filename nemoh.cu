@@ -154,6 +154,12 @@ template <typename T> __device__ T warp_sum(T v) {
     return v;
 }
 
+/* Maximum over the warp; every lane gets the result. */
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
 /* Sum over the block (blockDim a multiple of 32, at most 1024) in a fixed order (within each warp,
  * then over the warps' sums), so the same inputs give the same sum, bit for bit, on every thread. */
 template <typename T> __device__ T block_sum(T v) {
@@ -777,9 +783,8 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(float *y, const float
     const float *p = part + (size_t)h * splits * (hd + 2);
     if (threadIdx.x < 32) {
         int s = threadIdx.x;
-        float ms = s < used ? p[s * (hd + 2)] : -INFINITY, ls = s < used ? p[s * (hd + 2) + 1] : 0.0f, M = ms;
-        for (int o = 16; o; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-        float w = __expf(ms - M);
+        float ms = s < used ? p[s * (hd + 2)] : -INFINITY, ls = s < used ? p[s * (hd + 2) + 1] : 0.0f;
+        float w = __expf(ms - warp_max(ms));
         float L = warp_sum(ls * w);
         if (s < ATTN_SPLITS) wt[s] = w / L;
     }
@@ -800,7 +805,7 @@ __global__ void softmax_causal_kernel(float *S, int n_keys, const int *pos) {
     float m = -INFINITY;
     for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, row[j]);
     __shared__ float red[32];
-    for (int o = 16; o; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    m = warp_max(m);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
     __syncthreads();
     m = red[0];
