@@ -1,9 +1,11 @@
 /* nemoh.c: a compact inference engine for NVIDIA Nemotron-H hybrid models (Mamba2 + attention + MLP).
  *
- * Read top to bottom: errors and files, JSON, safetensors, config, weights and sharding, the
- * tokenizer, the CPU backend (the readable reference), the one layer loop every backend runs,
- * tensor-parallel ranks, the sampler, generation and the command line. nemoh.cu holds the CUDA
- * backend; without it (a plain C compiler) this file builds the CPU engine alone. */
+ * Read top to bottom. The model first: how the model is split over tensor-parallel ranks, the CPU
+ * backend (the readable reference of every mixer), the one layer loop every backend runs, the ranks
+ * that run it, the sampler. Then reading a model from disk: JSON, config.json, safetensors, each
+ * rank's weight views, the tokenizer, and synthetic models. Last, generation and the command line.
+ * nemoh.cu holds the CUDA backend; without it (a plain C compiler) this file builds the CPU engine
+ * alone. */
 #define _GNU_SOURCE
 #include <ctype.h>
 #include <errno.h>
@@ -73,6 +75,561 @@ static char *read_file(const char *path, size_t *len) {
 static int file_exists(const char *path) {
     struct stat st;
     return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Sharding: each rank's share of the model, as vLLM and sglang split it
+ * ---------------------------------------------------------------------------------------------- */
+
+/* Tensor-parallel sizes; returns NULL if n ranks can split the model, else the reason. */
+static const char *shard_sizes(Shard *s, const Config *c, int rank, int n) {
+    int has_m = has_kind(c, 'M'), has_a = has_kind(c, '*'), has_f = has_kind(c, '-');
+    if (has_m && (c->m_heads % n || c->n_groups % n)) return "mamba heads and n_groups";
+    if (has_a && (c->n_heads % n || (c->n_kv % n && n % c->n_kv))) return "attention heads (and kv heads, or be a multiple of them)";
+    if (has_f && c->mlp % n) return "the MLP size";
+    if (c->vocab % n) return "the vocabulary";
+    memset(s, 0, sizeof *s);
+    s->rank = rank;
+    s->n = n;
+    if (has_m) {
+        s->m_heads = c->m_heads / n;
+        s->groups = c->n_groups / n;
+        s->d_inner = s->m_heads * c->m_hdim;
+        s->conv = s->d_inner + 2 * s->groups * c->d_state;
+        s->in_proj = s->d_inner + s->conv + s->m_heads;
+    }
+    if (has_a) {
+        s->q = c->n_heads / n;
+        s->q0 = rank * s->q;
+        s->kv = c->n_kv >= n ? c->n_kv / n : 1;  /* more ranks than kv heads: replicate */
+        s->kv0 = s->q0 / (c->n_heads / c->n_kv);
+    }
+    s->mlp = has_f ? c->mlp / n : 0;
+    s->vocab = c->vocab / n;
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * CPU backend: the plain-C reference, fp32 arithmetic on the stored weights
+ * ---------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    int n;                      /* ranks */
+    pthread_barrier_t bar;      /* all ranks meet here around every host all-reduce */
+    float **pend;               /* [n] each rank's pending buffer, read by every rank */
+    float *logits;              /* [t_max, vocab] gathered logits: rank r writes columns of its slice */
+    int rows;                   /* rows of logits the last forward wrote; the sampler reads the last */
+} CpuShared;
+
+typedef struct {
+    float *res;                 /* [t_max, hidden] residual stream (identical on every rank) */
+    float *x;                   /* [t_max, hidden] normed input of the current mixer */
+    float *pend;                /* [t_max, hidden] partial sums the current layer still owes */
+    float *sum;                 /* [t_max, hidden] scratch for the all-reduce */
+    float *proj;                /* [t_max, proj_w] input projections: [z|x|B|C|dt], [q|k|v] or up */
+    float *xbc;                 /* [t_max, conv] conv1d + SiLU output */
+    float *y;                   /* [t_max, max(d_inner, q*head_dim)] mixer output before out_proj */
+    float *hist;                /* [d_conv - 1 + t_max] one conv channel's input history */
+    float *att;                 /* [ctx] attention weights of one query */
+    float **conv;               /* [n_layers] Mamba: [conv, d_conv-1] last inputs, oldest first */
+    float **ssm;                /* [n_layers] Mamba: [m_heads, m_hdim, d_state] fp32 state */
+    float **k, **v;             /* [n_layers] attention: [ctx, kv*head_dim] cache */
+    int proj_w;                 /* columns of proj */
+} CpuState;
+
+static int cpu_threads = 1;     /* OpenMP threads per rank: the cores shared among the ranks */
+
+/* Row i of W dotted with x: sum_k W[i][k] * x[k], in fp32, 16 lanes so the compiler vectorises. */
+static float dot_row(const Mat *W, int i, const float *x) {
+    int n = W->cols, k = 0;
+    float acc[16] = {0}, s = 0;
+    if (W->dtype == DT_F32) {
+        const float *w = (const float *)W->data + (size_t)i * W->ld;
+        for (; k + 16 <= n; k += 16)
+            for (int j = 0; j < 16; j++) acc[j] += w[k + j] * x[k + j];
+        for (; k < n; k++) s += w[k] * x[k];
+    } else if (W->dtype == DT_BF16) {
+        const uint16_t *w = (const uint16_t *)W->data + (size_t)i * W->ld;
+        for (; k + 16 <= n; k += 16)
+            for (int j = 0; j < 16; j++) acc[j] += bf16_to_f32(w[k + j]) * x[k + j];
+        for (; k < n; k++) s += bf16_to_f32(w[k]) * x[k];
+    } else {
+        const uint16_t *w = (const uint16_t *)W->data + (size_t)i * W->ld;
+        for (; k < n; k++) s += f16_to_f32(w[k]) * x[k];
+    }
+    for (int j = 0; j < 16; j++) s += acc[j];
+    return s;
+}
+
+/* out[t][i] = sum_k W[i][k] x[t][k] for T rows of x (row strides ldo, ldx). */
+static void matmul(float *out, int ldo, const float *x, int ldx, int T, const Mat *W) {
+#pragma omp parallel for num_threads(cpu_threads) schedule(static)
+    for (int i = 0; i < W->rows; i++)
+        for (int t = 0; t < T; t++) out[(size_t)t * ldo + i] = dot_row(W, i, x + (size_t)t * ldx);
+}
+
+static float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* softplus(x) = log(1 + e^x), linear above 20 as torch and the Mamba kernels do */
+static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* out = x * rsqrt(mean(x^2) + eps) * w over n elements */
+static void rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
+    float ss = 0;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    float scale = 1.0f / sqrtf(ss / n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
+}
+
+static void cpu_init(Rank *r) {
+    const Config *c = r->c;
+    const Shard *s = &r->s;
+    CpuState *st = xcalloc(1, sizeof *st);
+    size_t H = (size_t)c->hidden, T = (size_t)r->t_max;
+    int qkv = (s->q + 2 * s->kv) * c->head_dim;
+    st->proj_w = s->in_proj > qkv ? s->in_proj : qkv;
+    if (s->mlp > st->proj_w) st->proj_w = s->mlp;
+    int yw = s->d_inner > s->q * c->head_dim ? s->d_inner : s->q * c->head_dim;
+    st->res = xcalloc(T * H, sizeof(float));
+    st->x = xcalloc(T * H, sizeof(float));
+    st->pend = xcalloc(T * H, sizeof(float));
+    st->sum = xcalloc(T * H, sizeof(float));
+    st->proj = xcalloc(T * (size_t)st->proj_w, sizeof(float));
+    st->xbc = xcalloc(T * (size_t)(s->conv ? s->conv : 1), sizeof(float));
+    st->y = xcalloc(T * (size_t)(yw ? yw : 1), sizeof(float));
+    st->hist = xcalloc((size_t)c->d_conv + T, sizeof(float));
+    st->att = xcalloc((size_t)r->ctx, sizeof(float));
+    st->conv = xcalloc((size_t)c->n_layers, sizeof(float *));
+    st->ssm = xcalloc((size_t)c->n_layers, sizeof(float *));
+    st->k = xcalloc((size_t)c->n_layers, sizeof(float *));
+    st->v = xcalloc((size_t)c->n_layers, sizeof(float *));
+    for (int l = 0; l < c->n_layers; l++) {
+        if (c->kind[l] == 'M') {
+            st->conv[l] = xcalloc((size_t)s->conv * (size_t)(c->d_conv - 1), sizeof(float));
+            st->ssm[l] = xcalloc((size_t)s->d_inner * (size_t)c->d_state, sizeof(float));
+        } else if (c->kind[l] == '*') {
+            st->k[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
+            st->v[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
+        }
+    }
+    r->st = st;
+    CpuShared *sh = r->sh;
+    sh->pend[s->rank] = st->pend;
+}
+
+static void cpu_free(Rank *r) {
+    CpuState *st = r->st;
+    for (int l = 0; l < r->c->n_layers; l++) { free(st->conv[l]); free(st->ssm[l]); free(st->k[l]); free(st->v[l]); }
+    free(st->conv); free(st->ssm); free(st->k); free(st->v);
+    free(st->res); free(st->x); free(st->pend); free(st->sum); free(st->proj); free(st->xbc); free(st->y);
+    free(st->hist); free(st->att);
+    free(st);
+    r->st = NULL;
+}
+
+/* residual[t] = embedding[tok[t]] */
+static void cpu_embed(Rank *r, const int *tok, int T) {
+    CpuState *st = r->st;
+    int H = r->c->hidden;
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < H; i++) st->res[(size_t)t * H + i] = load_f32(r->w.embed.data, r->w.embed.dtype, (size_t)tok[t] * r->w.embed.ld + i);
+}
+
+/* sum = pend_0 + pend_1 + ... in rank order, so every rank gets bit-identical sums; returns sum (at
+ * one rank, pend_0 itself). The barriers: before, every rank has written its partial sums; after,
+ * none overwrites them while others read. */
+static const float *host_allreduce(Rank *r, float *sum, int T) {
+    CpuShared *sh = r->sh;
+    size_t n = (size_t)T * r->c->hidden;
+    if (sh->n == 1) return sh->pend[0];   /* alone: the sum is what this rank owes */
+    pthread_barrier_wait(&sh->bar);
+    memcpy(sum, sh->pend[0], n * sizeof(float));
+    for (int k = 1; k < sh->n; k++)
+        for (size_t i = 0; i < n; i++) sum[i] += sh->pend[k][i];
+    pthread_barrier_wait(&sh->bar);
+    return sum;
+}
+
+static void cpu_allreduce(Rank *r, int T) {
+    CpuState *st = r->st;
+    const float *sum = host_allreduce(r, st->sum, T);
+    if (sum != st->pend) memcpy(st->pend, sum, (size_t)T * r->c->hidden * sizeof(float));
+}
+
+static void cpu_norm(Rank *r, int l, int how, int T) {
+    CpuState *st = r->st;
+    int H = r->c->hidden;
+    const float *w = l < r->c->n_layers ? r->w.layer[l].norm : r->w.norm_f;
+    const float *add = how == NORM_PLAIN ? NULL : st->pend;
+    if (how == NORM_FUSED) add = host_allreduce(r, st->sum, T);   /* the deferred all-reduce, then add + norm */
+    for (int t = 0; t < T; t++) {
+        float *res = st->res + (size_t)t * H;
+        if (add) for (int i = 0; i < H; i++) res[i] += add[(size_t)t * H + i];
+        rmsnorm(st->x + (size_t)t * H, res, w, H, r->c->eps);
+    }
+}
+
+/* Mamba2 mixer over T tokens at positions pos.. (the state carries everything before pos). */
+static void cpu_mamba(Rank *r, int l, int T, int pos) {
+    (void)pos;
+    const Config *c = r->c;
+    const Shard *s = &r->s;
+    const Layer *L = &r->w.layer[l];
+    CpuState *st = r->st;
+    int H = c->hidden, di = s->d_inner, cv = s->conv, nh = s->m_heads, P = c->m_hdim, N = c->d_state;
+    int K = c->d_conv, G = s->groups, in = s->in_proj, gsize = di / G;
+
+    /* [z | x | B | C | dt] = in_proj(x), each segment from its own row slice */
+    int off = 0;
+    for (int k = 0; k < 5; off += L->in_proj[k].rows, k++) matmul(st->proj + off, in, st->x, H, T, &L->in_proj[k]);
+
+    /* xbc[t] = silu(bias + sum_j w[j] * in[t - (K-1) + j]): causal depthwise conv over x|B|C */
+    for (int ch = 0; ch < cv; ch++) {
+        float *hist = st->hist, *state = st->conv[l] + (size_t)ch * (K - 1);
+        memcpy(hist, state, (size_t)(K - 1) * sizeof(float));
+        for (int t = 0; t < T; t++) hist[K - 1 + t] = st->proj[(size_t)t * in + di + ch];
+        for (int t = 0; t < T; t++) {
+            float acc = L->conv_b[ch];
+            for (int j = 0; j < K; j++) acc += L->conv_w[ch * K + j] * hist[t + j];
+            st->xbc[(size_t)t * cv + ch] = silu(acc);
+        }
+        memcpy(state, hist + T, (size_t)(K - 1) * sizeof(float));
+    }
+
+    /* the selective scan, per head h of group g = h / (heads per group):
+     * dt = softplus(dt + dt_bias); S = exp(dt*A) * S + dt * x (x) B; y = S.C + D * x */
+    for (int t = 0; t < T; t++) {
+        const float *xt = st->xbc + (size_t)t * cv, *Bt = xt + di, *Ct = Bt + G * N;
+        for (int h = 0; h < nh; h++) {
+            int g = h / (nh / G);
+            float dt = softplus(st->proj[(size_t)t * in + di + cv + h] + L->dt_bias[h]);
+            float dA = expf(dt * L->A[h]);
+            for (int p = 0; p < P; p++) {
+                float *S = st->ssm[l] + ((size_t)h * P + p) * N, xv = xt[h * P + p], y = 0;
+                for (int n = 0; n < N; n++) {
+                    S[n] = dA * S[n] + dt * xv * Bt[g * N + n];
+                    y += S[n] * Ct[g * N + n];
+                }
+                st->y[(size_t)t * di + h * P + p] = y + L->D[h] * xv;
+            }
+        }
+    }
+
+    /* u = y * silu(z), then RMSNorm over each group of d_inner/G channels, times norm.weight */
+    for (int t = 0; t < T; t++) {
+        float *y = st->y + (size_t)t * di;
+        const float *z = st->proj + (size_t)t * in;
+        for (int i = 0; i < di; i++) y[i] *= silu(z[i]);
+        for (int g = 0; g < G; g++) rmsnorm(y + g * gsize, y + g * gsize, L->gnorm + g * gsize, gsize, c->eps);
+    }
+    matmul(st->pend, H, st->y, di, T, &L->out);  /* row-parallel: partial sums, reduced later */
+}
+
+/* Causal GQA attention with no positional encoding; keys and values cached per position. */
+static void cpu_attention(Rank *r, int l, int T, int pos) {
+    const Config *c = r->c;
+    const Shard *s = &r->s;
+    const Layer *L = &r->w.layer[l];
+    CpuState *st = r->st;
+    int H = c->hidden, hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, w = qw + 2 * kw;
+    int group = c->n_heads / c->n_kv;
+    float scale = 1.0f / sqrtf((float)hd);
+    matmul(st->proj, w, st->x, H, T, &L->wq);
+    matmul(st->proj + qw, w, st->x, H, T, &L->wk);
+    matmul(st->proj + qw + kw, w, st->x, H, T, &L->wv);
+    for (int t = 0; t < T; t++) {
+        memcpy(st->k[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * w + qw, (size_t)kw * sizeof(float));
+        memcpy(st->v[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * w + qw + kw, (size_t)kw * sizeof(float));
+    }
+    for (int t = 0; t < T; t++) {
+        int n = pos + t + 1;  /* keys 0..pos+t */
+        for (int h = 0; h < s->q; h++) {
+            const float *q = st->proj + (size_t)t * w + h * hd;
+            int kvh = (s->q0 + h) / group - s->kv0;
+            /* a_j = softmax_j(q . k_j / sqrt(head_dim)); out = sum_j a_j v_j */
+            float mx = -INFINITY, sum = 0;
+            for (int j = 0; j < n; j++) {
+                const float *k = st->k[l] + (size_t)j * kw + kvh * hd;
+                float d = 0;
+                for (int i = 0; i < hd; i++) d += q[i] * k[i];
+                st->att[j] = d * scale;
+                if (st->att[j] > mx) mx = st->att[j];
+            }
+            for (int j = 0; j < n; j++) sum += st->att[j] = expf(st->att[j] - mx);
+            float *out = st->y + (size_t)t * qw + h * hd;
+            memset(out, 0, (size_t)hd * sizeof(float));
+            for (int j = 0; j < n; j++) {
+                const float *v = st->v[l] + (size_t)j * kw + kvh * hd;
+                float a = st->att[j] / sum;
+                for (int i = 0; i < hd; i++) out[i] += a * v[i];
+            }
+        }
+    }
+    matmul(st->pend, H, st->y, qw, T, &L->wo);
+}
+
+/* MLP: down(relu(up(x))^2) */
+static void cpu_mlp(Rank *r, int l, int T) {
+    const Layer *L = &r->w.layer[l];
+    CpuState *st = r->st;
+    int H = r->c->hidden, m = r->s.mlp;
+    matmul(st->proj, m, st->x, H, T, &L->up);
+    for (size_t i = 0; i < (size_t)T * m; i++) {
+        float u = st->proj[i] > 0 ? st->proj[i] : 0;
+        st->proj[i] = u * u;
+    }
+    matmul(st->pend, H, st->proj, m, T, &L->down);
+}
+
+/* Logits of the last row (or all T rows): each rank fills its vocabulary slice of the shared rows. */
+static void cpu_logits(Rank *r, int T, int all) {
+    CpuState *st = r->st;
+    CpuShared *sh = r->sh;
+    int H = r->c->hidden, V = r->c->vocab, rows = all ? T : 1;
+    const float *x = st->x + (size_t)(all ? 0 : T - 1) * H;
+    matmul(sh->logits + (size_t)r->s.rank * r->s.vocab, V, x, H, rows, &r->w.lm_head);
+    sh->rows = rows;
+    pthread_barrier_wait(&sh->bar);
+}
+
+static int sample_logits(const float *logits, int V, float temp, float topp, uint64_t seed, uint64_t step);
+
+static int cpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t step) {
+    CpuShared *sh = r->sh;
+    return sample_logits(sh->logits + (size_t)(sh->rows - 1) * r->c->vocab, r->c->vocab, temp, topp, seed, step);
+}
+
+static const float *cpu_host_logits(Rank *r, int rows) {
+    (void)rows;
+    return ((CpuShared *)r->sh)->logits;
+}
+
+static void *cpu_setup(const Config *c, int n, int t_max, int logit_rows) {
+    CpuShared *sh = xcalloc(1, sizeof *sh);
+    sh->n = n;
+    pthread_barrier_init(&sh->bar, NULL, (unsigned)n);
+    sh->pend = xcalloc((size_t)n, sizeof(float *));
+    (void)t_max;
+    sh->logits = xcalloc((size_t)logit_rows * (size_t)c->vocab, sizeof(float));
+    return sh;
+}
+
+static void cpu_teardown(void *p) {
+    CpuShared *sh = p;
+    pthread_barrier_destroy(&sh->bar);
+    free(sh->pend);
+    free(sh->logits);
+    free(sh);
+}
+
+static const Backend cpu_backend = {
+    .name = "cpu", .setup = cpu_setup, .teardown = cpu_teardown, .init = cpu_init, .free = cpu_free, .embed = cpu_embed, .norm = cpu_norm,
+    .mamba = cpu_mamba, .attention = cpu_attention, .mlp = cpu_mlp, .allreduce = cpu_allreduce,
+    .logits = cpu_logits, .sample = cpu_sample, .host_logits = cpu_host_logits,
+};
+
+/* ------------------------------------------------------------------------------------------------
+ * The layer loop: one forward step, the same for every backend and every rank
+ * ---------------------------------------------------------------------------------------------- */
+
+/* --trace: what layer l's entry does with the partial sums the layer before it left. */
+static void trace_layer(const Rank *r, int l, int how) {
+    if (!r->trace || r->s.rank != 0) return;
+    const char kind = r->c->kind[l];
+    fprintf(stderr, "layer %3d  %-6s %-44s pending in: %s\n", l,
+            kind == 'M' ? "mamba" : kind == '*' ? "attn" : "mlp",
+            how == NORM_PLAIN ? "rmsnorm" : how == NORM_FUSED ? "fused all-reduce + add + rmsnorm" : "add + rmsnorm",
+            how == NORM_PLAIN ? "no" : how == NORM_FUSED ? "yes (reduced here)" : "yes (reduced at last layer's end)");
+    if (l == r->c->n_layers - 1)
+        fprintf(stderr, "final      %s all-reduce, then add + rmsnorm(norm_f), lm_head\n", r->fuse ? "plain" : "no");
+}
+
+/* T tokens at positions pos..pos+T-1 through the model on one rank. Each mixer leaves partial sums
+ * in `pending` (its output projection is row-parallel); the next layer's entry settles them with one
+ * fused all-reduce + residual add + RMSNorm, and only after the last layer is there a plain
+ * all-reduce. With fuse off, every layer all-reduces at its end instead. */
+static void forward(Rank *r, const int *tok, int T, int pos, int all_logits) {
+    const Backend *be = r->be;
+    const Config *c = r->c;
+    if (be->replay && be->replay(r, tok, T, pos)) return;   /* a captured CUDA graph ran it all */
+    if (be->begin) be->begin(r, tok, T, pos);
+    be->embed(r, tok, T);                                   /* residual = embed[tok] */
+    for (int l = 0; l < c->n_layers; l++) {
+        /* x = pending ? fused_allreduce_add_rmsnorm(pending, residual, norm[l]) : rmsnorm(residual, norm[l]) */
+        int how = l == 0 ? NORM_PLAIN : r->fuse ? NORM_FUSED : NORM_ADD;
+        trace_layer(r, l, how);
+        be->norm(r, l, how, T);
+        /* pending = mixer_l(x): row-parallel partial sums */
+        if (c->kind[l] == 'M') be->mamba(r, l, T, pos);
+        else if (c->kind[l] == '*') be->attention(r, l, T, pos);
+        else be->mlp(r, l, T);
+        if (!r->fuse) be->allreduce(r, T);
+    }
+    /* allreduce(pending); residual += pending; x = rmsnorm(residual, norm_f); logits = lm_head(x) */
+    if (r->fuse) be->allreduce(r, T);
+    be->norm(r, c->n_layers, NORM_ADD, T);
+    be->logits(r, T, all_logits);
+    if (be->end) be->end(r, T);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Ranks: one host thread per tensor-parallel rank, each running the layer loop on its shard
+ * ---------------------------------------------------------------------------------------------- */
+
+/* Each rank's weights are views into one checkpoint (read further down, with the file formats). */
+typedef struct Checkpoint Checkpoint;
+static void build_weights(Weights *w, const Checkpoint *ck, const Config *c, const Shard *s);
+static void free_weights(Weights *w, const Config *c);
+
+typedef struct Engine Engine;
+struct Engine {
+    Config c;                   /* model configuration */
+    const Backend *be;          /* backend of every rank */
+    int n;                      /* ranks */
+    Rank *rank;                 /* [n] */
+    void *sh;                   /* backend state shared by the ranks */
+    pthread_t *thread;          /* [n] workers; with one rank the caller runs it */
+    pthread_barrier_t go, done; /* n + 1 parties: the workers and the caller */
+    void (*job)(Rank *, void *);  /* what every rank runs next */
+    void *arg;                  /* its argument */
+    int quit;                   /* workers exit at the next go */
+};
+
+typedef struct { Engine *e; int i; } Worker;
+
+static void *worker_main(void *p) {
+    Worker w = *(Worker *)p;
+    free(p);
+    for (;;) {
+        pthread_barrier_wait(&w.e->go);
+        if (w.e->quit) return NULL;
+        w.e->job(&w.e->rank[w.i], w.e->arg);
+        pthread_barrier_wait(&w.e->done);
+    }
+}
+
+/* Runs job on every rank, each on its own thread, and waits for all. */
+static void run_ranks(Engine *e, void (*job)(Rank *, void *), void *arg) {
+    if (e->n == 1) { job(&e->rank[0], arg); return; }
+    e->job = job;
+    e->arg = arg;
+    pthread_barrier_wait(&e->go);
+    pthread_barrier_wait(&e->done);
+}
+
+static void job_init(Rank *r, void *arg) { (void)arg; r->be->init(r); }
+static void job_free(Rank *r, void *arg) { (void)arg; r->be->free(r); }
+
+typedef struct { const int *tok; int T, pos, all; } FwdArgs;
+static void job_forward(Rank *r, void *arg) {
+    FwdArgs *a = arg;
+    forward(r, a->tok, a->T, a->pos, a->all);
+}
+
+typedef struct { float temp, topp; uint64_t seed, step; int *out; } SampleArgs;
+static void job_sample(Rank *r, void *arg) {
+    SampleArgs *a = arg;
+    a->out[r->s.rank] = r->be->sample(r, a->temp, a->topp, a->seed, a->step);
+}
+
+/* Loads the shards, starts one thread per rank and lets the backend set up each rank. */
+static void build_engine(Engine *e, const Checkpoint *ck, const Backend *be, int n, int t_max, int ctx, int fuse, int logit_rows, int graph) {
+    e->be = be;
+    e->n = n;
+    e->sh = be->setup(&e->c, n, t_max, logit_rows);
+    e->rank = xcalloc((size_t)n, sizeof(Rank));
+    for (int i = 0; i < n; i++) {
+        Rank *r = &e->rank[i];
+        shard_sizes(&r->s, &e->c, i, n);
+        build_weights(&r->w, ck, &e->c, &r->s);
+        r->c = &e->c;
+        r->be = be;
+        r->sh = e->sh;
+        r->t_max = t_max;
+        r->ctx = ctx;
+        r->fuse = fuse;
+        r->gpu = i;
+        r->graph = graph;
+    }
+    if (n > 1) {
+        e->thread = xcalloc((size_t)n, sizeof(pthread_t));
+        pthread_barrier_init(&e->go, NULL, (unsigned)n + 1);
+        pthread_barrier_init(&e->done, NULL, (unsigned)n + 1);
+        for (int i = 0; i < n; i++) {
+            Worker *w = xmalloc(sizeof *w);
+            *w = (Worker){e, i};
+            if (pthread_create(&e->thread[i], NULL, worker_main, w) != 0) die("cannot start rank thread %d", i);
+        }
+    }
+    run_ranks(e, job_init, NULL);
+}
+
+static void free_engine(Engine *e) {
+    run_ranks(e, job_free, NULL);
+    if (e->n > 1) {
+        e->quit = 1;
+        pthread_barrier_wait(&e->go);
+        for (int i = 0; i < e->n; i++) pthread_join(e->thread[i], NULL);
+        pthread_barrier_destroy(&e->go);
+        pthread_barrier_destroy(&e->done);
+        free(e->thread);
+    }
+    for (int i = 0; i < e->n; i++) free_weights(&e->rank[i].w, &e->c);
+    e->be->teardown(e->sh);
+    free(e->rank);
+}
+
+/* One forward step on all ranks. */
+static void engine_forward(Engine *e, const int *tok, int T, int pos, int all) {
+    FwdArgs a = {tok, T, pos, all};
+    run_ranks(e, job_forward, &a);
+}
+
+/* Every rank samples from its own gathered logits; they must agree. */
+static int engine_sample(Engine *e, float temp, float topp, uint64_t seed, uint64_t step) {
+    int out[64];
+    SampleArgs a = {temp, topp, seed, step, out};
+    run_ranks(e, job_sample, &a);
+    for (int i = 1; i < e->n; i++)
+        if (out[i] != out[0]) die("ranks disagree on the sampled token (rank 0: %d, rank %d: %d)", out[0], i, out[i]);
+    return out[0];
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Sampler
+ * ---------------------------------------------------------------------------------------------- */
+
+/* temp 0: the argmax (the first, on ties). Otherwise p_i ~ exp((l_i - max) / temp); top-p keeps every
+ * token whose probability reaches a threshold, the highest one whose kept mass is still >= topp
+ * (found by bisection, so no sort), and draws among them in index order with coin(seed, step). */
+static int sample_logits(const float *l, int V, float temp, float topp, uint64_t seed, uint64_t step) {
+    int best = 0;
+    for (int i = 1; i < V; i++) if (l[i] > l[best]) best = i;
+    if (temp <= 0) return best;
+    float *p = xmalloc((size_t)V * sizeof(float));
+    double total = 0;
+    for (int i = 0; i < V; i++) total += p[i] = expf((l[i] - l[best]) / temp);
+    float lo = 0, hi = 1;  /* mass(lo) >= topp * total always holds; mass(th) = sum of p_i >= th */
+    if (topp < 1) {
+        for (int it = 0; it < 40; it++) {
+            float mid = 0.5f * (lo + hi);
+            double mass = 0;
+            for (int i = 0; i < V; i++) mass += p[i] >= mid ? p[i] : 0;
+            if (mass >= topp * total) lo = mid; else hi = mid;
+        }
+    }
+    double kept = 0;
+    for (int i = 0; i < V; i++) kept += p[i] >= lo ? p[i] : 0;
+    double target = coin(seed, step) * kept, cum = 0;
+    int pick = best;
+    for (int i = 0; i < V; i++) {
+        if (p[i] < lo) continue;
+        cum += p[i];
+        pick = i;
+        if (cum > target) break;
+    }
+    free(p);
+    return pick;
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -331,6 +888,124 @@ static const Json *json_at(const Json *a, int i) {
 }
 
 /* ------------------------------------------------------------------------------------------------
+ * Config: config.json in NVIDIA's form (hybrid_override_pattern) or transformers' (layers_block_type)
+ * ---------------------------------------------------------------------------------------------- */
+
+/* An integer config value; `need`: die if absent, else return `def`. */
+static int cfg_int(const Json *root, const char *path, const char *key, int need, int def) {
+    const Json *v = json_get(root, key);
+    if (!v || v->type == J_NULL) {
+        if (need) die("%s: missing key %s", path, key);
+        return def;
+    }
+    if (v->type != J_NUM || v->num != floor(v->num) || v->num < 0 || v->num > 1e9)
+        die("%s: %s must be an integer from 0 to 10^9", path, key);
+    return (int)v->num;
+}
+
+/* A boolean that nemoh only supports in one state (biases, for instance). */
+static void cfg_require(const Json *root, const char *path, const char *key, int want) {
+    const Json *v = json_get(root, key);
+    if (v && v->type == J_BOOL && (int)v->num != want)
+        die("%s: %s = %s is not supported", path, key, want ? "false" : "true");
+}
+
+static void cfg_act(const Json *root, const char *path, const char *key, const char *want) {
+    const Json *v = json_get(root, key);
+    if (v && (v->type != J_STR || strcmp(v->str, want) != 0))
+        die("%s: %s must be \"%s\"", path, key, want);
+}
+
+static void config_load(Config *c, const char *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    struct stat st;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) die("%s: no such model directory", dir);
+    size_t len;
+    char *text = read_file(path, &len);
+    if (!text) die("%s: cannot open", path);
+    JsonDoc doc = json_parse(text, len, path);
+    const Json *root = &doc.nodes[0];
+    if (root->type != J_OBJ) die("%s: not a JSON object", path);
+    memset(c, 0, sizeof *c);
+
+    /* The layer pattern: one character per layer, 'M' Mamba2, '*' attention, '-' MLP. */
+    const Json *pat = json_get(root, "hybrid_override_pattern"), *types = json_get(root, "layers_block_type");
+    if (types && types->type == J_ARR) {
+        for (const Json *e = types->child; e; e = e->next) {
+            if (c->n_layers == MAX_LAYERS) die("%s: more than %d layers", path, MAX_LAYERS);
+            const char *s = e->type == J_STR ? e->str : "";
+            char k = !strcmp(s, "mamba") || !strcmp(s, "linear_attention") ? 'M'
+                   : !strcmp(s, "attention") || !strcmp(s, "full_attention") ? '*'
+                   : !strcmp(s, "mlp") ? '-' : !strcmp(s, "moe") ? 'E' : '?';
+            if (k == '?') die("%s: layer %d has unknown block type \"%s\"", path, c->n_layers, s);
+            c->kind[c->n_layers++] = k;
+        }
+    } else if (pat && pat->type == J_STR) {
+        if (pat->len > MAX_LAYERS) die("%s: more than %d layers", path, MAX_LAYERS);
+        for (int i = 0; i < pat->len; i++) {
+            char k = pat->str[i];
+            if (!strchr("M*-E", k) || !k) die("%s: layer %d has unknown block type '%c' in hybrid_override_pattern", path, i, k);
+            c->kind[c->n_layers++] = k;
+        }
+    } else {
+        die("%s: missing key hybrid_override_pattern (or layers_block_type)", path);
+    }
+    if (c->n_layers == 0) die("%s: the model has no layers", path);
+    for (int i = 0; i < c->n_layers; i++)
+        if (c->kind[i] == 'E') die("%s: layer %d is a mixture-of-experts block; nemoh does not support MoE", path, i);
+    int nl = cfg_int(root, path, "num_hidden_layers", 0, c->n_layers);
+    if (nl != c->n_layers) die("%s: num_hidden_layers is %d but the pattern has %d layers", path, nl, c->n_layers);
+    int has_m = has_kind(c, 'M'), has_a = has_kind(c, '*'), has_f = has_kind(c, '-');
+
+    c->vocab = cfg_int(root, path, "vocab_size", 1, 0);
+    c->hidden = cfg_int(root, path, "hidden_size", 1, 0);
+    const Json *eps = json_get(root, "rms_norm_eps");
+    if (!eps) eps = json_get(root, "layer_norm_epsilon");
+    if (eps && (eps->type != J_NUM || !(eps->num > 0 && eps->num < 1))) die("%s: bad norm epsilon", path);
+    c->eps = eps ? (float)eps->num : 1e-5f;  /* transformers' default */
+    c->ctx = cfg_int(root, path, "max_position_embeddings", 0, 4096);
+    if (has_a) {
+        c->n_heads = cfg_int(root, path, "num_attention_heads", 1, 0);
+        c->n_kv = cfg_int(root, path, "num_key_value_heads", 0, c->n_heads);
+        int hd = cfg_int(root, path, "head_dim", 0, 0);
+        c->head_dim = hd ? hd : cfg_int(root, path, "attention_head_dim", 0, c->n_heads ? c->hidden / c->n_heads : 0);
+        if (!c->n_heads || !c->n_kv || !c->head_dim || c->n_heads % c->n_kv)
+            die("%s: num_attention_heads must be a positive multiple of num_key_value_heads", path);
+        cfg_require(root, path, "attention_bias", 0);
+    }
+    if (has_f) {
+        c->mlp = cfg_int(root, path, "intermediate_size", 1, 0);
+        cfg_act(root, path, "mlp_hidden_act", "relu2");
+        cfg_require(root, path, "mlp_bias", 0);
+    }
+    if (has_m) {
+        c->m_heads = cfg_int(root, path, "mamba_num_heads", 1, 0);
+        c->m_hdim = cfg_int(root, path, "mamba_head_dim", 1, 0);
+        c->n_groups = cfg_int(root, path, "n_groups", 1, 0);
+        c->d_state = cfg_int(root, path, "ssm_state_size", 1, 0);
+        c->d_conv = cfg_int(root, path, "conv_kernel", 1, 0);
+        const Json *cb = json_get(root, "use_conv_bias");
+        c->conv_bias = !cb || cb->num != 0;
+        if (!c->m_heads || !c->m_hdim || !c->n_groups || !c->d_state || !c->d_conv || c->m_heads % c->n_groups)
+            die("%s: mamba_num_heads must be a positive multiple of n_groups (and sizes positive)", path);
+        cfg_act(root, path, "mamba_hidden_act", "silu");
+        cfg_require(root, path, "mamba_proj_bias", 0);
+        cfg_require(root, path, "use_bias", 0);
+    }
+    if (!c->vocab || !c->hidden || !c->ctx) die("%s: vocab_size, hidden_size and max_position_embeddings must be positive", path);
+    const Json *eos = json_get(root, "eos_token_id");
+    if (eos && eos->type == J_ARR) {
+        for (const Json *e = eos->child; e && c->n_eos < MAX_EOS; e = e->next)
+            if (e->type == J_NUM) c->eos[c->n_eos++] = (int)e->num;
+    } else if (eos && eos->type == J_NUM) {
+        c->eos[c->n_eos++] = (int)eos->num;
+    }
+    json_free(&doc);
+    free(text);
+}
+
+/* ------------------------------------------------------------------------------------------------
  * Safetensors: mmapped checkpoint files and their tensor tables
  * ---------------------------------------------------------------------------------------------- */
 
@@ -349,14 +1024,14 @@ typedef struct {
     size_t size;                /* file size in bytes */
 } MappedFile;
 
-typedef struct {
+struct Checkpoint {
     const char *dir;            /* checkpoint directory */
     MappedFile file[256];       /* [n_files] safetensors files */
     int n_files;
     Tensor *t;                  /* [n] all tensors of all files */
     int n, cap;
     int owned;                  /* 1: tensor data is malloc'ed (a synthetic checkpoint), not mapped */
-} Checkpoint;
+};
 
 static const char *dtype_name[] = {"F32", "BF16", "F16"};
 static const int dtype_size[] = {4, 2, 2};
@@ -521,154 +1196,8 @@ static const Tensor *st_get(const Checkpoint *ck, const char *name, long d0, lon
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Config: config.json in NVIDIA's form (hybrid_override_pattern) or transformers' (layers_block_type)
+ * Weights: each rank's views into the checkpoint, sliced as shard_sizes() says
  * ---------------------------------------------------------------------------------------------- */
-
-/* An integer config value; `need`: die if absent, else return `def`. */
-static int cfg_int(const Json *root, const char *path, const char *key, int need, int def) {
-    const Json *v = json_get(root, key);
-    if (!v || v->type == J_NULL) {
-        if (need) die("%s: missing key %s", path, key);
-        return def;
-    }
-    if (v->type != J_NUM || v->num != floor(v->num) || v->num < 0 || v->num > 1e9)
-        die("%s: %s must be an integer from 0 to 10^9", path, key);
-    return (int)v->num;
-}
-
-/* A boolean that nemoh only supports in one state (biases, for instance). */
-static void cfg_require(const Json *root, const char *path, const char *key, int want) {
-    const Json *v = json_get(root, key);
-    if (v && v->type == J_BOOL && (int)v->num != want)
-        die("%s: %s = %s is not supported", path, key, want ? "false" : "true");
-}
-
-static void cfg_act(const Json *root, const char *path, const char *key, const char *want) {
-    const Json *v = json_get(root, key);
-    if (v && (v->type != J_STR || strcmp(v->str, want) != 0))
-        die("%s: %s must be \"%s\"", path, key, want);
-}
-
-static void config_load(Config *c, const char *dir) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/config.json", dir);
-    struct stat st;
-    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) die("%s: no such model directory", dir);
-    size_t len;
-    char *text = read_file(path, &len);
-    if (!text) die("%s: cannot open", path);
-    JsonDoc doc = json_parse(text, len, path);
-    const Json *root = &doc.nodes[0];
-    if (root->type != J_OBJ) die("%s: not a JSON object", path);
-    memset(c, 0, sizeof *c);
-
-    /* The layer pattern: one character per layer, 'M' Mamba2, '*' attention, '-' MLP. */
-    const Json *pat = json_get(root, "hybrid_override_pattern"), *types = json_get(root, "layers_block_type");
-    if (types && types->type == J_ARR) {
-        for (const Json *e = types->child; e; e = e->next) {
-            if (c->n_layers == MAX_LAYERS) die("%s: more than %d layers", path, MAX_LAYERS);
-            const char *s = e->type == J_STR ? e->str : "";
-            char k = !strcmp(s, "mamba") || !strcmp(s, "linear_attention") ? 'M'
-                   : !strcmp(s, "attention") || !strcmp(s, "full_attention") ? '*'
-                   : !strcmp(s, "mlp") ? '-' : !strcmp(s, "moe") ? 'E' : '?';
-            if (k == '?') die("%s: layer %d has unknown block type \"%s\"", path, c->n_layers, s);
-            c->kind[c->n_layers++] = k;
-        }
-    } else if (pat && pat->type == J_STR) {
-        if (pat->len > MAX_LAYERS) die("%s: more than %d layers", path, MAX_LAYERS);
-        for (int i = 0; i < pat->len; i++) {
-            char k = pat->str[i];
-            if (!strchr("M*-E", k) || !k) die("%s: layer %d has unknown block type '%c' in hybrid_override_pattern", path, i, k);
-            c->kind[c->n_layers++] = k;
-        }
-    } else {
-        die("%s: missing key hybrid_override_pattern (or layers_block_type)", path);
-    }
-    if (c->n_layers == 0) die("%s: the model has no layers", path);
-    for (int i = 0; i < c->n_layers; i++)
-        if (c->kind[i] == 'E') die("%s: layer %d is a mixture-of-experts block; nemoh does not support MoE", path, i);
-    int nl = cfg_int(root, path, "num_hidden_layers", 0, c->n_layers);
-    if (nl != c->n_layers) die("%s: num_hidden_layers is %d but the pattern has %d layers", path, nl, c->n_layers);
-    int has_m = has_kind(c, 'M'), has_a = has_kind(c, '*'), has_f = has_kind(c, '-');
-
-    c->vocab = cfg_int(root, path, "vocab_size", 1, 0);
-    c->hidden = cfg_int(root, path, "hidden_size", 1, 0);
-    const Json *eps = json_get(root, "rms_norm_eps");
-    if (!eps) eps = json_get(root, "layer_norm_epsilon");
-    if (eps && (eps->type != J_NUM || !(eps->num > 0 && eps->num < 1))) die("%s: bad norm epsilon", path);
-    c->eps = eps ? (float)eps->num : 1e-5f;  /* transformers' default */
-    c->ctx = cfg_int(root, path, "max_position_embeddings", 0, 4096);
-    if (has_a) {
-        c->n_heads = cfg_int(root, path, "num_attention_heads", 1, 0);
-        c->n_kv = cfg_int(root, path, "num_key_value_heads", 0, c->n_heads);
-        int hd = cfg_int(root, path, "head_dim", 0, 0);
-        c->head_dim = hd ? hd : cfg_int(root, path, "attention_head_dim", 0, c->n_heads ? c->hidden / c->n_heads : 0);
-        if (!c->n_heads || !c->n_kv || !c->head_dim || c->n_heads % c->n_kv)
-            die("%s: num_attention_heads must be a positive multiple of num_key_value_heads", path);
-        cfg_require(root, path, "attention_bias", 0);
-    }
-    if (has_f) {
-        c->mlp = cfg_int(root, path, "intermediate_size", 1, 0);
-        cfg_act(root, path, "mlp_hidden_act", "relu2");
-        cfg_require(root, path, "mlp_bias", 0);
-    }
-    if (has_m) {
-        c->m_heads = cfg_int(root, path, "mamba_num_heads", 1, 0);
-        c->m_hdim = cfg_int(root, path, "mamba_head_dim", 1, 0);
-        c->n_groups = cfg_int(root, path, "n_groups", 1, 0);
-        c->d_state = cfg_int(root, path, "ssm_state_size", 1, 0);
-        c->d_conv = cfg_int(root, path, "conv_kernel", 1, 0);
-        const Json *cb = json_get(root, "use_conv_bias");
-        c->conv_bias = !cb || cb->num != 0;
-        if (!c->m_heads || !c->m_hdim || !c->n_groups || !c->d_state || !c->d_conv || c->m_heads % c->n_groups)
-            die("%s: mamba_num_heads must be a positive multiple of n_groups (and sizes positive)", path);
-        cfg_act(root, path, "mamba_hidden_act", "silu");
-        cfg_require(root, path, "mamba_proj_bias", 0);
-        cfg_require(root, path, "use_bias", 0);
-    }
-    if (!c->vocab || !c->hidden || !c->ctx) die("%s: vocab_size, hidden_size and max_position_embeddings must be positive", path);
-    const Json *eos = json_get(root, "eos_token_id");
-    if (eos && eos->type == J_ARR) {
-        for (const Json *e = eos->child; e && c->n_eos < MAX_EOS; e = e->next)
-            if (e->type == J_NUM) c->eos[c->n_eos++] = (int)e->num;
-    } else if (eos && eos->type == J_NUM) {
-        c->eos[c->n_eos++] = (int)eos->num;
-    }
-    json_free(&doc);
-    free(text);
-}
-
-/* ------------------------------------------------------------------------------------------------
- * Weights: each rank's views into the checkpoint, sharded as vLLM and sglang shard them
- * ---------------------------------------------------------------------------------------------- */
-
-/* Tensor-parallel sizes; returns NULL if n ranks can split the model, else the reason. */
-static const char *shard_sizes(Shard *s, const Config *c, int rank, int n) {
-    int has_m = has_kind(c, 'M'), has_a = has_kind(c, '*'), has_f = has_kind(c, '-');
-    if (has_m && (c->m_heads % n || c->n_groups % n)) return "mamba heads and n_groups";
-    if (has_a && (c->n_heads % n || (c->n_kv % n && n % c->n_kv))) return "attention heads (and kv heads, or be a multiple of them)";
-    if (has_f && c->mlp % n) return "the MLP size";
-    if (c->vocab % n) return "the vocabulary";
-    memset(s, 0, sizeof *s);
-    s->rank = rank;
-    s->n = n;
-    if (has_m) {
-        s->m_heads = c->m_heads / n;
-        s->groups = c->n_groups / n;
-        s->d_inner = s->m_heads * c->m_hdim;
-        s->conv = s->d_inner + 2 * s->groups * c->d_state;
-        s->in_proj = s->d_inner + s->conv + s->m_heads;
-    }
-    if (has_a) {
-        s->q = c->n_heads / n;
-        s->q0 = rank * s->q;
-        s->kv = c->n_kv >= n ? c->n_kv / n : 1;  /* more ranks than kv heads: replicate */
-        s->kv0 = s->q0 / (c->n_heads / c->n_kv);
-    }
-    s->mlp = has_f ? c->mlp / n : 0;
-    s->vocab = c->vocab / n;
-    return NULL;
-}
 
 /* Rows [r0, r0+rows) and columns [c0, c0+cols) of a 2-D tensor, as a view. */
 static Mat mat_view(const Tensor *t, long r0, long rows, long c0, long cols) {
@@ -1415,518 +1944,6 @@ static void tok_free(Tokenizer *t) {
 }
 
 /* ------------------------------------------------------------------------------------------------
- * CPU backend: the plain-C reference, fp32 arithmetic on the stored weights
- * ---------------------------------------------------------------------------------------------- */
-
-typedef struct {
-    int n;                      /* ranks */
-    pthread_barrier_t bar;      /* all ranks meet here around every host all-reduce */
-    float **pend;               /* [n] each rank's pending buffer, read by every rank */
-    float *logits;              /* [t_max, vocab] gathered logits: rank r writes columns of its slice */
-    int rows;                   /* rows of logits the last forward wrote; the sampler reads the last */
-} CpuShared;
-
-typedef struct {
-    float *res;                 /* [t_max, hidden] residual stream (identical on every rank) */
-    float *x;                   /* [t_max, hidden] normed input of the current mixer */
-    float *pend;                /* [t_max, hidden] partial sums the current layer still owes */
-    float *sum;                 /* [t_max, hidden] scratch for the all-reduce */
-    float *proj;                /* [t_max, proj_w] input projections: [z|x|B|C|dt], [q|k|v] or up */
-    float *xbc;                 /* [t_max, conv] conv1d + SiLU output */
-    float *y;                   /* [t_max, max(d_inner, q*head_dim)] mixer output before out_proj */
-    float *hist;                /* [d_conv - 1 + t_max] one conv channel's input history */
-    float *att;                 /* [ctx] attention weights of one query */
-    float **conv;               /* [n_layers] Mamba: [conv, d_conv-1] last inputs, oldest first */
-    float **ssm;                /* [n_layers] Mamba: [m_heads, m_hdim, d_state] fp32 state */
-    float **k, **v;             /* [n_layers] attention: [ctx, kv*head_dim] cache */
-    int proj_w;                 /* columns of proj */
-} CpuState;
-
-static int cpu_threads = 1;     /* OpenMP threads per rank: the cores shared among the ranks */
-
-/* Row i of W dotted with x: sum_k W[i][k] * x[k], in fp32, 16 lanes so the compiler vectorises. */
-static float dot_row(const Mat *W, int i, const float *x) {
-    int n = W->cols, k = 0;
-    float acc[16] = {0}, s = 0;
-    if (W->dtype == DT_F32) {
-        const float *w = (const float *)W->data + (size_t)i * W->ld;
-        for (; k + 16 <= n; k += 16)
-            for (int j = 0; j < 16; j++) acc[j] += w[k + j] * x[k + j];
-        for (; k < n; k++) s += w[k] * x[k];
-    } else if (W->dtype == DT_BF16) {
-        const uint16_t *w = (const uint16_t *)W->data + (size_t)i * W->ld;
-        for (; k + 16 <= n; k += 16)
-            for (int j = 0; j < 16; j++) acc[j] += bf16_to_f32(w[k + j]) * x[k + j];
-        for (; k < n; k++) s += bf16_to_f32(w[k]) * x[k];
-    } else {
-        const uint16_t *w = (const uint16_t *)W->data + (size_t)i * W->ld;
-        for (; k < n; k++) s += f16_to_f32(w[k]) * x[k];
-    }
-    for (int j = 0; j < 16; j++) s += acc[j];
-    return s;
-}
-
-/* out[t][i] = sum_k W[i][k] x[t][k] for T rows of x (row strides ldo, ldx). */
-static void matmul(float *out, int ldo, const float *x, int ldx, int T, const Mat *W) {
-#pragma omp parallel for num_threads(cpu_threads) schedule(static)
-    for (int i = 0; i < W->rows; i++)
-        for (int t = 0; t < T; t++) out[(size_t)t * ldo + i] = dot_row(W, i, x + (size_t)t * ldx);
-}
-
-static float silu(float x) { return x / (1.0f + expf(-x)); }
-
-/* softplus(x) = log(1 + e^x), linear above 20 as torch and the Mamba kernels do */
-static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-
-/* out = x * rsqrt(mean(x^2) + eps) * w over n elements */
-static void rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
-    float ss = 0;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    float scale = 1.0f / sqrtf(ss / n + eps);
-    for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
-}
-
-static void cpu_init(Rank *r) {
-    const Config *c = r->c;
-    const Shard *s = &r->s;
-    CpuState *st = xcalloc(1, sizeof *st);
-    size_t H = (size_t)c->hidden, T = (size_t)r->t_max;
-    int qkv = (s->q + 2 * s->kv) * c->head_dim;
-    st->proj_w = s->in_proj > qkv ? s->in_proj : qkv;
-    if (s->mlp > st->proj_w) st->proj_w = s->mlp;
-    int yw = s->d_inner > s->q * c->head_dim ? s->d_inner : s->q * c->head_dim;
-    st->res = xcalloc(T * H, sizeof(float));
-    st->x = xcalloc(T * H, sizeof(float));
-    st->pend = xcalloc(T * H, sizeof(float));
-    st->sum = xcalloc(T * H, sizeof(float));
-    st->proj = xcalloc(T * (size_t)st->proj_w, sizeof(float));
-    st->xbc = xcalloc(T * (size_t)(s->conv ? s->conv : 1), sizeof(float));
-    st->y = xcalloc(T * (size_t)(yw ? yw : 1), sizeof(float));
-    st->hist = xcalloc((size_t)c->d_conv + T, sizeof(float));
-    st->att = xcalloc((size_t)r->ctx, sizeof(float));
-    st->conv = xcalloc((size_t)c->n_layers, sizeof(float *));
-    st->ssm = xcalloc((size_t)c->n_layers, sizeof(float *));
-    st->k = xcalloc((size_t)c->n_layers, sizeof(float *));
-    st->v = xcalloc((size_t)c->n_layers, sizeof(float *));
-    for (int l = 0; l < c->n_layers; l++) {
-        if (c->kind[l] == 'M') {
-            st->conv[l] = xcalloc((size_t)s->conv * (size_t)(c->d_conv - 1), sizeof(float));
-            st->ssm[l] = xcalloc((size_t)s->d_inner * (size_t)c->d_state, sizeof(float));
-        } else if (c->kind[l] == '*') {
-            st->k[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
-            st->v[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
-        }
-    }
-    r->st = st;
-    CpuShared *sh = r->sh;
-    sh->pend[s->rank] = st->pend;
-}
-
-static void cpu_free(Rank *r) {
-    CpuState *st = r->st;
-    for (int l = 0; l < r->c->n_layers; l++) { free(st->conv[l]); free(st->ssm[l]); free(st->k[l]); free(st->v[l]); }
-    free(st->conv); free(st->ssm); free(st->k); free(st->v);
-    free(st->res); free(st->x); free(st->pend); free(st->sum); free(st->proj); free(st->xbc); free(st->y);
-    free(st->hist); free(st->att);
-    free(st);
-    r->st = NULL;
-}
-
-/* residual[t] = embedding[tok[t]] */
-static void cpu_embed(Rank *r, const int *tok, int T) {
-    CpuState *st = r->st;
-    int H = r->c->hidden;
-    for (int t = 0; t < T; t++)
-        for (int i = 0; i < H; i++) st->res[(size_t)t * H + i] = load_f32(r->w.embed.data, r->w.embed.dtype, (size_t)tok[t] * r->w.embed.ld + i);
-}
-
-/* sum = pend_0 + pend_1 + ... in rank order, so every rank gets bit-identical sums; returns sum (at
- * one rank, pend_0 itself). The barriers: before, every rank has written its partial sums; after,
- * none overwrites them while others read. */
-static const float *host_allreduce(Rank *r, float *sum, int T) {
-    CpuShared *sh = r->sh;
-    size_t n = (size_t)T * r->c->hidden;
-    if (sh->n == 1) return sh->pend[0];   /* alone: the sum is what this rank owes */
-    pthread_barrier_wait(&sh->bar);
-    memcpy(sum, sh->pend[0], n * sizeof(float));
-    for (int k = 1; k < sh->n; k++)
-        for (size_t i = 0; i < n; i++) sum[i] += sh->pend[k][i];
-    pthread_barrier_wait(&sh->bar);
-    return sum;
-}
-
-static void cpu_allreduce(Rank *r, int T) {
-    CpuState *st = r->st;
-    const float *sum = host_allreduce(r, st->sum, T);
-    if (sum != st->pend) memcpy(st->pend, sum, (size_t)T * r->c->hidden * sizeof(float));
-}
-
-static void cpu_norm(Rank *r, int l, int how, int T) {
-    CpuState *st = r->st;
-    int H = r->c->hidden;
-    const float *w = l < r->c->n_layers ? r->w.layer[l].norm : r->w.norm_f;
-    const float *add = how == NORM_PLAIN ? NULL : st->pend;
-    if (how == NORM_FUSED) add = host_allreduce(r, st->sum, T);   /* the deferred all-reduce, then add + norm */
-    for (int t = 0; t < T; t++) {
-        float *res = st->res + (size_t)t * H;
-        if (add) for (int i = 0; i < H; i++) res[i] += add[(size_t)t * H + i];
-        rmsnorm(st->x + (size_t)t * H, res, w, H, r->c->eps);
-    }
-}
-
-/* Mamba2 mixer over T tokens at positions pos.. (the state carries everything before pos). */
-static void cpu_mamba(Rank *r, int l, int T, int pos) {
-    (void)pos;
-    const Config *c = r->c;
-    const Shard *s = &r->s;
-    const Layer *L = &r->w.layer[l];
-    CpuState *st = r->st;
-    int H = c->hidden, di = s->d_inner, cv = s->conv, nh = s->m_heads, P = c->m_hdim, N = c->d_state;
-    int K = c->d_conv, G = s->groups, in = s->in_proj, gsize = di / G;
-
-    /* [z | x | B | C | dt] = in_proj(x), each segment from its own row slice */
-    int off = 0;
-    for (int k = 0; k < 5; off += L->in_proj[k].rows, k++) matmul(st->proj + off, in, st->x, H, T, &L->in_proj[k]);
-
-    /* xbc[t] = silu(bias + sum_j w[j] * in[t - (K-1) + j]): causal depthwise conv over x|B|C */
-    for (int ch = 0; ch < cv; ch++) {
-        float *hist = st->hist, *state = st->conv[l] + (size_t)ch * (K - 1);
-        memcpy(hist, state, (size_t)(K - 1) * sizeof(float));
-        for (int t = 0; t < T; t++) hist[K - 1 + t] = st->proj[(size_t)t * in + di + ch];
-        for (int t = 0; t < T; t++) {
-            float acc = L->conv_b[ch];
-            for (int j = 0; j < K; j++) acc += L->conv_w[ch * K + j] * hist[t + j];
-            st->xbc[(size_t)t * cv + ch] = silu(acc);
-        }
-        memcpy(state, hist + T, (size_t)(K - 1) * sizeof(float));
-    }
-
-    /* the selective scan, per head h of group g = h / (heads per group):
-     * dt = softplus(dt + dt_bias); S = exp(dt*A) * S + dt * x (x) B; y = S.C + D * x */
-    for (int t = 0; t < T; t++) {
-        const float *xt = st->xbc + (size_t)t * cv, *Bt = xt + di, *Ct = Bt + G * N;
-        for (int h = 0; h < nh; h++) {
-            int g = h / (nh / G);
-            float dt = softplus(st->proj[(size_t)t * in + di + cv + h] + L->dt_bias[h]);
-            float dA = expf(dt * L->A[h]);
-            for (int p = 0; p < P; p++) {
-                float *S = st->ssm[l] + ((size_t)h * P + p) * N, xv = xt[h * P + p], y = 0;
-                for (int n = 0; n < N; n++) {
-                    S[n] = dA * S[n] + dt * xv * Bt[g * N + n];
-                    y += S[n] * Ct[g * N + n];
-                }
-                st->y[(size_t)t * di + h * P + p] = y + L->D[h] * xv;
-            }
-        }
-    }
-
-    /* u = y * silu(z), then RMSNorm over each group of d_inner/G channels, times norm.weight */
-    for (int t = 0; t < T; t++) {
-        float *y = st->y + (size_t)t * di;
-        const float *z = st->proj + (size_t)t * in;
-        for (int i = 0; i < di; i++) y[i] *= silu(z[i]);
-        for (int g = 0; g < G; g++) rmsnorm(y + g * gsize, y + g * gsize, L->gnorm + g * gsize, gsize, c->eps);
-    }
-    matmul(st->pend, H, st->y, di, T, &L->out);  /* row-parallel: partial sums, reduced later */
-}
-
-/* Causal GQA attention with no positional encoding; keys and values cached per position. */
-static void cpu_attention(Rank *r, int l, int T, int pos) {
-    const Config *c = r->c;
-    const Shard *s = &r->s;
-    const Layer *L = &r->w.layer[l];
-    CpuState *st = r->st;
-    int H = c->hidden, hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, w = qw + 2 * kw;
-    int group = c->n_heads / c->n_kv;
-    float scale = 1.0f / sqrtf((float)hd);
-    matmul(st->proj, w, st->x, H, T, &L->wq);
-    matmul(st->proj + qw, w, st->x, H, T, &L->wk);
-    matmul(st->proj + qw + kw, w, st->x, H, T, &L->wv);
-    for (int t = 0; t < T; t++) {
-        memcpy(st->k[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * w + qw, (size_t)kw * sizeof(float));
-        memcpy(st->v[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * w + qw + kw, (size_t)kw * sizeof(float));
-    }
-    for (int t = 0; t < T; t++) {
-        int n = pos + t + 1;  /* keys 0..pos+t */
-        for (int h = 0; h < s->q; h++) {
-            const float *q = st->proj + (size_t)t * w + h * hd;
-            int kvh = (s->q0 + h) / group - s->kv0;
-            /* a_j = softmax_j(q . k_j / sqrt(head_dim)); out = sum_j a_j v_j */
-            float mx = -INFINITY, sum = 0;
-            for (int j = 0; j < n; j++) {
-                const float *k = st->k[l] + (size_t)j * kw + kvh * hd;
-                float d = 0;
-                for (int i = 0; i < hd; i++) d += q[i] * k[i];
-                st->att[j] = d * scale;
-                if (st->att[j] > mx) mx = st->att[j];
-            }
-            for (int j = 0; j < n; j++) sum += st->att[j] = expf(st->att[j] - mx);
-            float *out = st->y + (size_t)t * qw + h * hd;
-            memset(out, 0, (size_t)hd * sizeof(float));
-            for (int j = 0; j < n; j++) {
-                const float *v = st->v[l] + (size_t)j * kw + kvh * hd;
-                float a = st->att[j] / sum;
-                for (int i = 0; i < hd; i++) out[i] += a * v[i];
-            }
-        }
-    }
-    matmul(st->pend, H, st->y, qw, T, &L->wo);
-}
-
-/* MLP: down(relu(up(x))^2) */
-static void cpu_mlp(Rank *r, int l, int T) {
-    const Layer *L = &r->w.layer[l];
-    CpuState *st = r->st;
-    int H = r->c->hidden, m = r->s.mlp;
-    matmul(st->proj, m, st->x, H, T, &L->up);
-    for (size_t i = 0; i < (size_t)T * m; i++) {
-        float u = st->proj[i] > 0 ? st->proj[i] : 0;
-        st->proj[i] = u * u;
-    }
-    matmul(st->pend, H, st->proj, m, T, &L->down);
-}
-
-/* Logits of the last row (or all T rows): each rank fills its vocabulary slice of the shared rows. */
-static void cpu_logits(Rank *r, int T, int all) {
-    CpuState *st = r->st;
-    CpuShared *sh = r->sh;
-    int H = r->c->hidden, V = r->c->vocab, rows = all ? T : 1;
-    const float *x = st->x + (size_t)(all ? 0 : T - 1) * H;
-    matmul(sh->logits + (size_t)r->s.rank * r->s.vocab, V, x, H, rows, &r->w.lm_head);
-    sh->rows = rows;
-    pthread_barrier_wait(&sh->bar);
-}
-
-static int sample_logits(const float *logits, int V, float temp, float topp, uint64_t seed, uint64_t step);
-
-static int cpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t step) {
-    CpuShared *sh = r->sh;
-    return sample_logits(sh->logits + (size_t)(sh->rows - 1) * r->c->vocab, r->c->vocab, temp, topp, seed, step);
-}
-
-static const float *cpu_host_logits(Rank *r, int rows) {
-    (void)rows;
-    return ((CpuShared *)r->sh)->logits;
-}
-
-static void *cpu_setup(const Config *c, int n, int t_max, int logit_rows) {
-    CpuShared *sh = xcalloc(1, sizeof *sh);
-    sh->n = n;
-    pthread_barrier_init(&sh->bar, NULL, (unsigned)n);
-    sh->pend = xcalloc((size_t)n, sizeof(float *));
-    (void)t_max;
-    sh->logits = xcalloc((size_t)logit_rows * (size_t)c->vocab, sizeof(float));
-    return sh;
-}
-
-static void cpu_teardown(void *p) {
-    CpuShared *sh = p;
-    pthread_barrier_destroy(&sh->bar);
-    free(sh->pend);
-    free(sh->logits);
-    free(sh);
-}
-
-static const Backend cpu_backend = {
-    .name = "cpu", .setup = cpu_setup, .teardown = cpu_teardown, .init = cpu_init, .free = cpu_free, .embed = cpu_embed, .norm = cpu_norm,
-    .mamba = cpu_mamba, .attention = cpu_attention, .mlp = cpu_mlp, .allreduce = cpu_allreduce,
-    .logits = cpu_logits, .sample = cpu_sample, .host_logits = cpu_host_logits,
-};
-
-/* ------------------------------------------------------------------------------------------------
- * The layer loop: one forward step, the same for every backend and every rank
- * ---------------------------------------------------------------------------------------------- */
-
-/* T tokens at positions pos..pos+T-1 through the model on one rank. Each mixer leaves partial sums
- * in `pending` (its output projection is row-parallel); the next layer's entry settles them with one
- * fused all-reduce + residual add + RMSNorm, and only after the last layer is there a plain
- * all-reduce. With fuse off, every layer all-reduces at its end instead. */
-static void forward(Rank *r, const int *tok, int T, int pos, int all_logits) {
-    const Backend *be = r->be;
-    const Config *c = r->c;
-    if (be->replay && be->replay(r, tok, T, pos)) return;
-    if (be->begin) be->begin(r, tok, T, pos);
-    be->embed(r, tok, T);
-    int pending = 0;
-    for (int l = 0; l < c->n_layers; l++) {
-        int how = !pending ? NORM_PLAIN : r->fuse ? NORM_FUSED : NORM_ADD;
-        if (r->trace && r->s.rank == 0)
-            fprintf(stderr, "layer %3d  %-6s %-44s pending in: %s\n", l,
-                    c->kind[l] == 'M' ? "mamba" : c->kind[l] == '*' ? "attn" : "mlp",
-                    how == NORM_PLAIN ? "rmsnorm" : how == NORM_FUSED ? "fused all-reduce + add + rmsnorm" : "add + rmsnorm",
-                    pending ? (r->fuse ? "yes (reduced here)" : "yes (reduced at last layer's end)") : "no");
-        be->norm(r, l, how, T);
-        if (c->kind[l] == 'M') be->mamba(r, l, T, pos);
-        else if (c->kind[l] == '*') be->attention(r, l, T, pos);
-        else be->mlp(r, l, T);
-        if (!r->fuse) be->allreduce(r, T);
-        pending = 1;
-    }
-    if (r->fuse) be->allreduce(r, T);
-    if (r->trace && r->s.rank == 0)
-        fprintf(stderr, "final      %s all-reduce, then add + rmsnorm(norm_f), lm_head\n", r->fuse ? "plain" : "no");
-    be->norm(r, c->n_layers, NORM_ADD, T);
-    be->logits(r, T, all_logits);
-    if (be->end) be->end(r, T);
-}
-
-/* ------------------------------------------------------------------------------------------------
- * Ranks: one host thread per tensor-parallel rank, each running the layer loop on its shard
- * ---------------------------------------------------------------------------------------------- */
-
-typedef struct Engine Engine;
-struct Engine {
-    Config c;                   /* model configuration */
-    Checkpoint ck;              /* the mmapped checkpoint (or a synthetic one) */
-    const Backend *be;          /* backend of every rank */
-    int n;                      /* ranks */
-    Rank *rank;                 /* [n] */
-    void *sh;                   /* backend state shared by the ranks */
-    pthread_t *thread;          /* [n] workers; with one rank the caller runs it */
-    pthread_barrier_t go, done; /* n + 1 parties: the workers and the caller */
-    void (*job)(Rank *, void *);  /* what every rank runs next */
-    void *arg;                  /* its argument */
-    int quit;                   /* workers exit at the next go */
-};
-
-typedef struct { Engine *e; int i; } Worker;
-
-static void *worker_main(void *p) {
-    Worker w = *(Worker *)p;
-    free(p);
-    for (;;) {
-        pthread_barrier_wait(&w.e->go);
-        if (w.e->quit) return NULL;
-        w.e->job(&w.e->rank[w.i], w.e->arg);
-        pthread_barrier_wait(&w.e->done);
-    }
-}
-
-/* Runs job on every rank, each on its own thread, and waits for all. */
-static void run_ranks(Engine *e, void (*job)(Rank *, void *), void *arg) {
-    if (e->n == 1) { job(&e->rank[0], arg); return; }
-    e->job = job;
-    e->arg = arg;
-    pthread_barrier_wait(&e->go);
-    pthread_barrier_wait(&e->done);
-}
-
-static void job_init(Rank *r, void *arg) { (void)arg; r->be->init(r); }
-static void job_free(Rank *r, void *arg) { (void)arg; r->be->free(r); }
-
-typedef struct { const int *tok; int T, pos, all; } FwdArgs;
-static void job_forward(Rank *r, void *arg) {
-    FwdArgs *a = arg;
-    forward(r, a->tok, a->T, a->pos, a->all);
-}
-
-typedef struct { float temp, topp; uint64_t seed, step; int *out; } SampleArgs;
-static void job_sample(Rank *r, void *arg) {
-    SampleArgs *a = arg;
-    a->out[r->s.rank] = r->be->sample(r, a->temp, a->topp, a->seed, a->step);
-}
-
-/* Loads the shards, starts one thread per rank and lets the backend set up each rank. */
-static void build_engine(Engine *e, const Backend *be, int n, int t_max, int ctx, int fuse, int logit_rows, int graph) {
-    e->be = be;
-    e->n = n;
-    e->sh = be->setup(&e->c, n, t_max, logit_rows);
-    e->rank = xcalloc((size_t)n, sizeof(Rank));
-    for (int i = 0; i < n; i++) {
-        Rank *r = &e->rank[i];
-        shard_sizes(&r->s, &e->c, i, n);
-        build_weights(&r->w, &e->ck, &e->c, &r->s);
-        r->c = &e->c;
-        r->be = be;
-        r->sh = e->sh;
-        r->t_max = t_max;
-        r->ctx = ctx;
-        r->fuse = fuse;
-        r->gpu = i;
-        r->graph = graph;
-    }
-    if (n > 1) {
-        e->thread = xcalloc((size_t)n, sizeof(pthread_t));
-        pthread_barrier_init(&e->go, NULL, (unsigned)n + 1);
-        pthread_barrier_init(&e->done, NULL, (unsigned)n + 1);
-        for (int i = 0; i < n; i++) {
-            Worker *w = xmalloc(sizeof *w);
-            *w = (Worker){e, i};
-            if (pthread_create(&e->thread[i], NULL, worker_main, w) != 0) die("cannot start rank thread %d", i);
-        }
-    }
-    run_ranks(e, job_init, NULL);
-}
-
-static void free_engine(Engine *e) {
-    run_ranks(e, job_free, NULL);
-    if (e->n > 1) {
-        e->quit = 1;
-        pthread_barrier_wait(&e->go);
-        for (int i = 0; i < e->n; i++) pthread_join(e->thread[i], NULL);
-        pthread_barrier_destroy(&e->go);
-        pthread_barrier_destroy(&e->done);
-        free(e->thread);
-    }
-    for (int i = 0; i < e->n; i++) free_weights(&e->rank[i].w, &e->c);
-    e->be->teardown(e->sh);
-    free(e->rank);
-}
-
-/* One forward step on all ranks. */
-static void engine_forward(Engine *e, const int *tok, int T, int pos, int all) {
-    FwdArgs a = {tok, T, pos, all};
-    run_ranks(e, job_forward, &a);
-}
-
-/* Every rank samples from its own gathered logits; they must agree. */
-static int engine_sample(Engine *e, float temp, float topp, uint64_t seed, uint64_t step) {
-    int out[64];
-    SampleArgs a = {temp, topp, seed, step, out};
-    run_ranks(e, job_sample, &a);
-    for (int i = 1; i < e->n; i++)
-        if (out[i] != out[0]) die("ranks disagree on the sampled token (rank 0: %d, rank %d: %d)", out[0], i, out[i]);
-    return out[0];
-}
-
-/* ------------------------------------------------------------------------------------------------
- * Sampler
- * ---------------------------------------------------------------------------------------------- */
-
-/* temp 0: the argmax (the first, on ties). Otherwise p_i ~ exp((l_i - max) / temp); top-p keeps every
- * token whose probability reaches a threshold, the highest one whose kept mass is still >= topp
- * (found by bisection, so no sort), and draws among them in index order with coin(seed, step). */
-static int sample_logits(const float *l, int V, float temp, float topp, uint64_t seed, uint64_t step) {
-    int best = 0;
-    for (int i = 1; i < V; i++) if (l[i] > l[best]) best = i;
-    if (temp <= 0) return best;
-    float *p = xmalloc((size_t)V * sizeof(float));
-    double total = 0;
-    for (int i = 0; i < V; i++) total += p[i] = expf((l[i] - l[best]) / temp);
-    float lo = 0, hi = 1;  /* mass(lo) >= topp * total always holds; mass(th) = sum of p_i >= th */
-    if (topp < 1) {
-        for (int it = 0; it < 40; it++) {
-            float mid = 0.5f * (lo + hi);
-            double mass = 0;
-            for (int i = 0; i < V; i++) mass += p[i] >= mid ? p[i] : 0;
-            if (mass >= topp * total) lo = mid; else hi = mid;
-        }
-    }
-    double kept = 0;
-    for (int i = 0; i < V; i++) kept += p[i] >= lo ? p[i] : 0;
-    double target = coin(seed, step) * kept, cum = 0;
-    int pick = best;
-    for (int i = 0; i < V; i++) {
-        if (p[i] < lo) continue;
-        cum += p[i];
-        pick = i;
-        if (cum > target) break;
-    }
-    free(p);
-    return pick;
-}
-
-/* ------------------------------------------------------------------------------------------------
  * Synthetic models: the published shapes with random weights, for bring-up and benchmarks
  * ---------------------------------------------------------------------------------------------- */
 
@@ -2332,12 +2349,13 @@ int main(int argc, char **argv) {
 
     double t0 = now_s();
     Engine e = {0};
+    Checkpoint ck;
     if (preset) {
         preset_config(&e.c, find_preset(preset));
-        build_random_checkpoint(&e.ck, &e.c, 1234, gpus == 0);
+        build_random_checkpoint(&ck, &e.c, 1234, gpus == 0);
     } else {
         config_load(&e.c, dir);
-        build_checkpoint(&e.ck, dir);
+        build_checkpoint(&ck, dir);
     }
     if (ctx == 0) ctx = e.c.ctx;
     check_tp(&e.c, tp);
@@ -2357,7 +2375,7 @@ int main(int argc, char **argv) {
     if (t_max > ctx) t_max = ctx;
     cpu_threads = (int)sysconf(_SC_NPROCESSORS_ONLN) / tp;
     if (cpu_threads < 1) cpu_threads = 1;
-    build_engine(&e, be, tp, t_max, ctx, fuse, o.dump ? t_max : 1, graph);
+    build_engine(&e, &ck, be, tp, t_max, ctx, fuse, o.dump ? t_max : 1, graph);
     fprintf(stderr, "nemoh: loaded %s in %.2f s (backend %s, %d rank%s, seed %llu)\n", preset ? preset : dir, now_s() - t0,
             be->name, tp, tp > 1 ? "s" : "", (unsigned long long)o.seed);
     if (do_bench) {
@@ -2377,7 +2395,7 @@ int main(int argc, char **argv) {
     }
     if (o.dump && fclose(o.dump) != 0) die("--dump-logits %s: write failed", dump_path);
     free_engine(&e);
-    free_checkpoint(&e.ck);
+    free_checkpoint(&ck);
     free(tokens);
     free(file_text);
     tok_free(tok);

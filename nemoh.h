@@ -32,7 +32,7 @@ typedef struct {
     int vocab;                  /* vocab_size */
     int hidden;                 /* hidden_size */
     int n_layers;               /* number of blocks */
-    char kind[MAX_LAYERS];      /* [n_layers] 'M' Mamba2, '*' attention, '-' MLP */
+    char kind[MAX_LAYERS];      /* [n_layers] 'M' Mamba2, '*' attention, '-' MLP, 'E' mixture of experts */
     float eps;                  /* RMSNorm epsilon (all norms) */
     int n_heads, n_kv, head_dim;  /* attention: query heads, key/value heads, head size */
     int mlp;                    /* MLP intermediate size */
@@ -42,6 +42,14 @@ typedef struct {
     int conv_bias;              /* 1 if conv1d has a bias */
     int ctx;                    /* max_position_embeddings */
     int eos[MAX_EOS], n_eos;    /* eos_token_id (int or list) */
+    /* mixture of experts (kind 'E') */
+    int n_experts, top_k;       /* n_routed_experts, num_experts_per_tok */
+    int n_group, topk_group;    /* router groups, groups kept before the top-k (1, 1: plain top-k) */
+    int moe;                    /* moe_intermediate_size: rows of each routed expert's up_proj */
+    int shared;                 /* n_shared_experts * moe_shared_expert_intermediate_size (0: none) */
+    int latent;                 /* moe_latent_size; 0: experts work on the hidden state itself */
+    int norm_topk;              /* norm_topk_prob: chosen weights divided by their sum (+ 1e-20) */
+    float routed_scale;         /* routed_scaling_factor, applied after that */
 } Config;
 
 /* Sizes of one tensor-parallel rank's slice; at n = 1 they are the full sizes. */
@@ -53,6 +61,7 @@ typedef struct {
     int q, kv;                  /* local query heads, local kv heads (replicated when n > n_kv) */
     int q0, kv0;                /* first global query head, first global kv head */
     int mlp;                    /* local MLP intermediate rows */
+    int moe, shared;            /* local rows of each routed expert's up_proj, of the shared expert's */
     int vocab;                  /* local lm_head rows (vocab / n) */
 } Shard;
 
@@ -87,6 +96,13 @@ typedef struct {
     /* MLP (kind '-') */
     Mat up;                     /* [mlp, hidden] up_proj rows (column-parallel) */
     Mat down;                   /* [hidden, mlp] down_proj, column slice (row-parallel) */
+    /* mixture of experts (kind 'E'); d = latent size, or hidden without latent projections */
+    float *gate;                /* [n_experts, hidden] fp32 router weight, replicated */
+    float *gate_bias;           /* [n_experts] fp32 e_score_correction_bias (chooses, never weighs) */
+    Mat *eup, *edown;           /* [n_experts] up [moe/n, d] rows, down [d, moe/n] column slice */
+    Mat sup, sdown;             /* shared expert: up [shared/n, hidden] rows, down [hidden, shared/n] */
+    Mat lat_in, lat_out;        /* fc1_latent_proj [latent, hidden], fc2_latent_proj [hidden, latent],
+                                   replicated; rows 0 when the model has none */
 } Layer;
 
 typedef struct {
