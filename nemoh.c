@@ -185,15 +185,15 @@ static void cpu_init(Rank *r) {
     const Config *c = r->c;
     const Shard *s = &r->s;
     CpuState *st = xcalloc(1, sizeof *st);
-    size_t H = (size_t)c->hidden, T = (size_t)r->t_max;
+    size_t hidden = (size_t)c->hidden, T = (size_t)r->t_max;
     int qkv = (s->q + 2 * s->kv) * c->head_dim;
     st->proj_w = s->in_proj > qkv ? s->in_proj : qkv;
     if (s->mlp > st->proj_w) st->proj_w = s->mlp;
     int yw = s->d_inner > s->q * c->head_dim ? s->d_inner : s->q * c->head_dim;
-    st->res = xcalloc(T * H, sizeof(float));
-    st->x = xcalloc(T * H, sizeof(float));
-    st->pend = xcalloc(T * H, sizeof(float));
-    st->sum = xcalloc(T * H, sizeof(float));
+    st->res = xcalloc(T * hidden, sizeof(float));
+    st->x = xcalloc(T * hidden, sizeof(float));
+    st->pend = xcalloc(T * hidden, sizeof(float));
+    st->sum = xcalloc(T * hidden, sizeof(float));
     st->proj = xcalloc(T * (size_t)st->proj_w, sizeof(float));
     st->xbc = xcalloc(T * (size_t)(s->conv ? s->conv : 1), sizeof(float));
     st->y = xcalloc(T * (size_t)(yw ? yw : 1), sizeof(float));
@@ -230,9 +230,9 @@ static void cpu_free(Rank *r) {
 /* residual[t] = embedding[tok[t]] */
 static void cpu_embed(Rank *r, const int *tok, int T) {
     CpuState *st = r->st;
-    int H = r->c->hidden;
+    int hidden = r->c->hidden;
     for (int t = 0; t < T; t++)
-        for (int i = 0; i < H; i++) st->res[(size_t)t * H + i] = load_f32(r->w.embed.data, r->w.embed.dtype, (size_t)tok[t] * r->w.embed.ld + i);
+        for (int i = 0; i < hidden; i++) st->res[(size_t)t * hidden + i] = load_f32(r->w.embed.data, r->w.embed.dtype, (size_t)tok[t] * r->w.embed.ld + i);
 }
 
 /* sum = pend_0 + pend_1 + ... in rank order, so every rank gets bit-identical sums; returns sum (at
@@ -258,14 +258,14 @@ static void cpu_allreduce(Rank *r, int T) {
 
 static void cpu_norm(Rank *r, int l, int how, int T) {
     CpuState *st = r->st;
-    int H = r->c->hidden;
+    int hidden = r->c->hidden;
     const float *w = l < r->c->n_layers ? r->w.layer[l].norm : r->w.norm_f;
     const float *add = how == NORM_PLAIN ? NULL : st->pend;
     if (how == NORM_FUSED) add = host_allreduce(r, st->sum, T);   /* the deferred all-reduce, then add + norm */
     for (int t = 0; t < T; t++) {
-        float *res = st->res + (size_t)t * H;
-        if (add) for (int i = 0; i < H; i++) res[i] += add[(size_t)t * H + i];
-        rmsnorm(st->x + (size_t)t * H, res, w, H, r->c->eps);
+        float *res = st->res + (size_t)t * hidden;
+        if (add) for (int i = 0; i < hidden; i++) res[i] += add[(size_t)t * hidden + i];
+        rmsnorm(st->x + (size_t)t * hidden, res, w, hidden, r->c->eps);
     }
 }
 
@@ -276,12 +276,12 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
     const Shard *s = &r->s;
     const Layer *L = &r->w.layer[l];
     CpuState *st = r->st;
-    int H = c->hidden, di = s->d_inner, cv = s->conv, nh = s->m_heads, P = c->m_hdim, N = c->d_state;
-    int K = c->d_conv, G = s->groups, in = s->in_proj, gsize = di / G;
+    int hidden = c->hidden, di = s->d_inner, cv = s->conv, in = s->in_proj, K = c->d_conv;
+    int m_heads = s->m_heads, hdim = c->m_hdim, N = c->d_state, groups = s->groups, gsize = di / groups;
 
     /* [z | x | B | C | dt] = in_proj(x), each segment from its own row slice */
     int off = 0;
-    for (int k = 0; k < 5; off += L->in_proj[k].rows, k++) matmul(st->proj + off, in, st->x, H, T, &L->in_proj[k]);
+    for (int k = 0; k < 5; off += L->in_proj[k].rows, k++) matmul(st->proj + off, in, st->x, hidden, T, &L->in_proj[k]);
 
     /* xbc[t] = silu(bias + sum_j w[j] * in[t - (K-1) + j]): causal depthwise conv over x|B|C */
     for (int ch = 0; ch < cv; ch++) {
@@ -299,30 +299,30 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
     /* the selective scan, per head h of group g = h / (heads per group):
      * dt = softplus(dt + dt_bias); S = exp(dt*A) * S + dt * x (x) B; y = S.C + D * x */
     for (int t = 0; t < T; t++) {
-        const float *xt = st->xbc + (size_t)t * cv, *Bt = xt + di, *Ct = Bt + G * N;
-        for (int h = 0; h < nh; h++) {
-            int g = h / (nh / G);
+        const float *xt = st->xbc + (size_t)t * cv, *Bt = xt + di, *Ct = Bt + groups * N;
+        for (int h = 0; h < m_heads; h++) {
+            int g = h / (m_heads / groups);
             float dt = softplus(st->proj[(size_t)t * in + di + cv + h] + L->dt_bias[h]);
             float dA = expf(dt * L->A[h]);
-            for (int p = 0; p < P; p++) {
-                float *S = st->ssm[l] + ((size_t)h * P + p) * N, xv = xt[h * P + p], y = 0;
+            for (int p = 0; p < hdim; p++) {
+                float *S = st->ssm[l] + ((size_t)h * hdim + p) * N, xv = xt[h * hdim + p], y = 0;
                 for (int n = 0; n < N; n++) {
                     S[n] = dA * S[n] + dt * xv * Bt[g * N + n];
                     y += S[n] * Ct[g * N + n];
                 }
-                st->y[(size_t)t * di + h * P + p] = y + L->D[h] * xv;
+                st->y[(size_t)t * di + h * hdim + p] = y + L->D[h] * xv;
             }
         }
     }
 
-    /* u = y * silu(z), then RMSNorm over each group of d_inner/G channels, times norm.weight */
+    /* u = y * silu(z), then RMSNorm over each group of d_inner/groups channels, times norm.weight */
     for (int t = 0; t < T; t++) {
         float *y = st->y + (size_t)t * di;
         const float *z = st->proj + (size_t)t * in;
         for (int i = 0; i < di; i++) y[i] *= silu(z[i]);
-        for (int g = 0; g < G; g++) rmsnorm(y + g * gsize, y + g * gsize, L->gnorm + g * gsize, gsize, c->eps);
+        for (int g = 0; g < groups; g++) rmsnorm(y + g * gsize, y + g * gsize, L->gnorm + g * gsize, gsize, c->eps);
     }
-    matmul(st->pend, H, st->y, di, T, &L->out);  /* row-parallel: partial sums, reduced later */
+    matmul(st->pend, hidden, st->y, di, T, &L->out);  /* row-parallel: partial sums, reduced later */
 }
 
 /* Causal GQA attention with no positional encoding; keys and values cached per position. */
@@ -331,12 +331,12 @@ static void cpu_attention(Rank *r, int l, int T, int pos) {
     const Shard *s = &r->s;
     const Layer *L = &r->w.layer[l];
     CpuState *st = r->st;
-    int H = c->hidden, hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, w = qw + 2 * kw;
+    int hidden = c->hidden, hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, w = qw + 2 * kw;
     int group = c->n_heads / c->n_kv;
     float scale = 1.0f / sqrtf((float)hd);
-    matmul(st->proj, w, st->x, H, T, &L->wq);
-    matmul(st->proj + qw, w, st->x, H, T, &L->wk);
-    matmul(st->proj + qw + kw, w, st->x, H, T, &L->wv);
+    matmul(st->proj, w, st->x, hidden, T, &L->wq);
+    matmul(st->proj + qw, w, st->x, hidden, T, &L->wk);
+    matmul(st->proj + qw + kw, w, st->x, hidden, T, &L->wv);
     for (int t = 0; t < T; t++) {
         memcpy(st->k[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * w + qw, (size_t)kw * sizeof(float));
         memcpy(st->v[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * w + qw + kw, (size_t)kw * sizeof(float));
@@ -365,29 +365,29 @@ static void cpu_attention(Rank *r, int l, int T, int pos) {
             }
         }
     }
-    matmul(st->pend, H, st->y, qw, T, &L->wo);
+    matmul(st->pend, hidden, st->y, qw, T, &L->wo);
 }
 
 /* MLP: down(relu(up(x))^2) */
 static void cpu_mlp(Rank *r, int l, int T) {
     const Layer *L = &r->w.layer[l];
     CpuState *st = r->st;
-    int H = r->c->hidden, m = r->s.mlp;
-    matmul(st->proj, m, st->x, H, T, &L->up);
+    int hidden = r->c->hidden, m = r->s.mlp;
+    matmul(st->proj, m, st->x, hidden, T, &L->up);
     for (size_t i = 0; i < (size_t)T * m; i++) {
         float u = st->proj[i] > 0 ? st->proj[i] : 0;
         st->proj[i] = u * u;
     }
-    matmul(st->pend, H, st->proj, m, T, &L->down);
+    matmul(st->pend, hidden, st->proj, m, T, &L->down);
 }
 
 /* Logits of the last row (or all T rows): each rank fills its vocabulary slice of the shared rows. */
 static void cpu_logits(Rank *r, int T, int all) {
     CpuState *st = r->st;
     CpuShared *sh = r->sh;
-    int H = r->c->hidden, V = r->c->vocab, rows = all ? T : 1;
-    const float *x = st->x + (size_t)(all ? 0 : T - 1) * H;
-    matmul(sh->logits + (size_t)r->s.rank * r->s.vocab, V, x, H, rows, &r->w.lm_head);
+    int hidden = r->c->hidden, V = r->c->vocab, rows = all ? T : 1;
+    const float *x = st->x + (size_t)(all ? 0 : T - 1) * hidden;
+    matmul(sh->logits + (size_t)r->s.rank * r->s.vocab, V, x, hidden, rows, &r->w.lm_head);
     sh->rows = rows;
     pthread_barrier_wait(&sh->bar);
 }
@@ -579,7 +579,7 @@ static void free_engine(Engine *e) {
     free(e->rank);
 }
 
-/* One forward step on all ranks. */
+/* One forward step on all ranks: each rank's thread runs forward(), the layer loop above. */
 static void engine_forward(Engine *e, const int *tok, int T, int pos, int all) {
     FwdArgs a = {tok, T, pos, all};
     run_ranks(e, job_forward, &a);
@@ -2150,20 +2150,20 @@ static double host_copy_gbps(void) {
     return gbps;
 }
 
-/* --bench: a prompt of P random tokens, then n greedy tokens; one table. */
-static void bench(Engine *e, const char *model, int P, int n, int gpu) {
+/* --bench: a prompt of prompt_len (-P) random tokens, then n greedy tokens; one table. */
+static void bench(Engine *e, const char *model, int prompt_len, int n, int gpu) {
     Rank *r = &e->rank[0];
-    if (P < 1 || P + n > r->ctx) die("--bench: -P %d plus -n %d tokens exceed the context of %d (-c)", P, n, r->ctx);
-    int *prompt = xmalloc((size_t)P * sizeof(int));
-    for (int i = 0; i < P; i++) prompt[i] = 3 + (int)(coin(99, (uint64_t)i) * (e->c.vocab - 3));
+    if (prompt_len < 1 || prompt_len + n > r->ctx) die("--bench: -P %d plus -n %d tokens exceed the context of %d (-c)", prompt_len, n, r->ctx);
+    int *prompt = xmalloc((size_t)prompt_len * sizeof(int));
+    for (int i = 0; i < prompt_len; i++) prompt[i] = 3 + (int)(coin(99, (uint64_t)i) * (e->c.vocab - 3));
     GenOpts o = {n, 0, 1, 0, NULL, 0, 1, NULL}, warm = o;
     warm.n = 4;
     /* warm-up, the same prompt: libraries load the kernels for these shapes and the decode graph is
        captured here, not in the timed run (the state it leaves behind changes the numbers, not the work) */
-    generate(e, prompt, P, &warm);
-    GenStats st = generate(e, prompt, P, &o);
+    generate(e, prompt, prompt_len, &warm);
+    GenStats st = generate(e, prompt, prompt_len, &o);
     double copy = gpu ? 0 : host_copy_gbps(), ms = st.made > 1 ? st.decode_s * 1e3 / (st.made - 1) : 0;
-    double bytes = decode_bytes(r, P + st.made / 2, gpu), gbps = ms > 0 ? bytes / (ms * 1e-3) / 1e9 : 0;
+    double bytes = decode_bytes(r, prompt_len + st.made / 2, gpu), gbps = ms > 0 ? bytes / (ms * 1e-3) / 1e9 : 0;
     const char *device = "CPU", *path = r->fuse ? "fused" : "all-reduce at layer end (--no-fuse)";
     double used = 0;
 #ifdef NEMOH_CUDA
@@ -2177,7 +2177,7 @@ static void bench(Engine *e, const char *model, int P, int n, int gpu) {
     printf("| nemoh --bench | |\n|---|---|\n");
     printf("| device | %s%s, copy bandwidth %.0f GB/s (read + write, measured now) |\n", device, gpu ? "" : " (host memory)", copy);
     printf("| model | %s |\n| tensor parallel | %d rank%s, %s |\n", model, e->n, e->n > 1 ? "s" : "", path);
-    printf("| prefill | %d tokens in %.3f s: %.0f tok/s |\n", P, st.prefill_s, P / st.prefill_s);
+    printf("| prefill | %d tokens in %.3f s: %.0f tok/s |\n", prompt_len, st.prefill_s, prompt_len / st.prefill_s);
     printf("| decode | %d tokens: %.3f ms/token, %.1f tok/s |\n", st.made, ms, ms > 0 ? 1e3 / ms : 0);
     printf("| bytes per decoded token | %.3f GB per rank (weights, Mamba state read + write, KV cache) |\n", bytes / 1e9);
     printf("| achieved | %.0f GB/s per rank, %.1f%% of the copy bandwidth |\n", gbps, copy > 0 ? 100 * gbps / copy : 0);
