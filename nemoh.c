@@ -446,7 +446,8 @@ static void trace_layer(const Rank *r, int l, int how) {
 
 /* T tokens at positions pos..pos+T-1 through the model on one rank. Each mixer leaves partial sums
  * in `pending` (its output projection is row-parallel); the next layer's entry settles them with one
- * fused all-reduce + residual add + RMSNorm, and only after the last layer is there a plain
+ * fused all-reduce + residual add + RMSNorm (be->norm with NORM_FUSED: host_allreduce in cpu_norm;
+ * fused_allreduce_norm_kernel in nemoh.cu), and only after the last layer is there a plain
  * all-reduce. With fuse off, every layer all-reduces at its end instead. */
 static void forward(Rank *r, const int *tok, int T, int pos, int all_logits) {
     const Backend *be = r->be;
