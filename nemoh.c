@@ -331,21 +331,21 @@ static void cpu_attention(Rank *r, int l, int T, int pos) {
     const Shard *s = &r->s;
     const Layer *L = &r->w.layer[l];
     CpuState *st = r->st;
-    int hidden = c->hidden, hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, w = qw + 2 * kw;
-    int group = c->n_heads / c->n_kv;
+    int hidden = c->hidden, hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, qkv_w = qw + 2 * kw;
+    int q_per_kv = c->n_heads / c->n_kv;
     float scale = 1.0f / sqrtf((float)hd);
-    matmul(st->proj, w, st->x, hidden, T, &L->wq);
-    matmul(st->proj + qw, w, st->x, hidden, T, &L->wk);
-    matmul(st->proj + qw + kw, w, st->x, hidden, T, &L->wv);
+    matmul(st->proj, qkv_w, st->x, hidden, T, &L->wq);
+    matmul(st->proj + qw, qkv_w, st->x, hidden, T, &L->wk);
+    matmul(st->proj + qw + kw, qkv_w, st->x, hidden, T, &L->wv);
     for (int t = 0; t < T; t++) {
-        memcpy(st->k[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * w + qw, (size_t)kw * sizeof(float));
-        memcpy(st->v[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * w + qw + kw, (size_t)kw * sizeof(float));
+        memcpy(st->k[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * qkv_w + qw, (size_t)kw * sizeof(float));
+        memcpy(st->v[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * qkv_w + qw + kw, (size_t)kw * sizeof(float));
     }
     for (int t = 0; t < T; t++) {
         int n = pos + t + 1;  /* keys 0..pos+t */
         for (int h = 0; h < s->q; h++) {
-            const float *q = st->proj + (size_t)t * w + h * hd;
-            int kvh = (s->q0 + h) / group - s->kv0;
+            const float *q = st->proj + (size_t)t * qkv_w + h * hd;
+            int kvh = (s->q0 + h) / q_per_kv - s->kv0;
             /* a_j = softmax_j(q . k_j / sqrt(head_dim)); out = sum_j a_j v_j */
             float mx = -INFINITY, sum = 0;
             for (int j = 0; j < n; j++) {
@@ -1250,11 +1250,11 @@ static void build_weights(Weights *w, const Checkpoint *ck, const Config *c, con
                     for (size_t j = 0; j < K; j++) L->conv_w[(o + i) * K + j] = load_f32(cw->data, cw->dtype, (ch0[k] + i) * K + j);
                     if (cb) L->conv_b[o + i] = load_f32(cb->data, cb->dtype, (size_t)(ch0[k] + i));
                 }
-            size_t h0 = (size_t)r * s->m_heads, nh = (size_t)s->m_heads;
-            L->A = small_f32(T2("mixer.A_log", c->m_heads, 0), h0, nh);
-            for (size_t i = 0; i < nh; i++) L->A[i] = -expf(L->A[i]);  /* A = -exp(A_log) */
-            L->D = small_f32(T2("mixer.D", c->m_heads, 0), h0, nh);
-            L->dt_bias = small_f32(T2("mixer.dt_bias", c->m_heads, 0), h0, nh);
+            size_t h0 = (size_t)r * s->m_heads, m_heads = (size_t)s->m_heads;
+            L->A = small_f32(T2("mixer.A_log", c->m_heads, 0), h0, m_heads);
+            for (size_t i = 0; i < m_heads; i++) L->A[i] = -expf(L->A[i]);  /* A = -exp(A_log) */
+            L->D = small_f32(T2("mixer.D", c->m_heads, 0), h0, m_heads);
+            L->dt_bias = small_f32(T2("mixer.dt_bias", c->m_heads, 0), h0, m_heads);
             L->gnorm = small_f32(T2("mixer.norm.weight", di, 0), (size_t)r * s->d_inner, (size_t)s->d_inner);
             L->out = mat_view(T2("mixer.out_proj.weight", H, di), 0, H, (long)r * s->d_inner, s->d_inner);
         } else if (L->kind == '*') {
