@@ -1,23 +1,35 @@
 """Writes tests/fixtures/<name>/: tiny random Nemotron-H checkpoints with Hugging Face reference logits.
 
-Runs on the GPU machine (transformers 5.17 has NemotronHForCausalLM natively; the pure-torch path is
-used, on the CPU, in float32). For each fixture:
-  config.json, *.safetensors (+ index)  the checkpoint, in NVIDIA's layout or transformers' own
+Runs on the GPU machine (transformers 5.17 has NemotronHForCausalLM natively, mixture-of-experts and
+latent MoE layers included; the pure-torch path is used, on the CPU, in float32).
+
+    python3 tools/make_fixtures.py [OUT [NAME ...]]    OUT defaults to tests/fixtures; NAME: fixture
+                                                       names or globs (tiny-moe*), default all
+For each fixture:
+  config.json, *.safetensors (+ index)  the checkpoint: NVIDIA's layout (backbone.*, one tensor per
+                                        expert, mtp.* extras), transformers' save_pretrained, or the
+                                        module's own state_dict (model.*, experts stacked [E, out, in])
   ref.json                              prompt, greedy continuation, tolerance, component checks
   ref_logits.bin                        float32 [rows, vocab]: HF logits at every position of
                                         prompt + continuation[:-1] (what nemoh --dump-logits writes)
 Weights are drawn at a trained-like scale and every component is checked to move the logits.
 transformers' pure-torch Mamba path clamps dt at time_step_min; production kernels do not, so the
 reference is made with the clamp removed, with some dt_bias pushed low so that a clamping engine fails.
+MoE fixtures also avoid near-ties in the router (an engine's rounding must not flip an expert choice)
+and record the router's smallest choice margin.
 """
-import json, math, os, shutil, sys
+import fnmatch, inspect, json, math, os, shutil, sys
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
+import transformers
 from transformers import NemotronHConfig, NemotronHForCausalLM
+from transformers.models.nemotron_h import modeling_nemotron_h as mh
 from nemotron_h import nvidia_config, set_clamp
 
 torch.set_num_threads(os.cpu_count() or 4)
 OUT = sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures"
+ONLY = sys.argv[2:]
 
 FIXTURES = [
     # NVIDIA layout, F32, sharded in two files with an index; n_groups 4, head size 12, GQA 8/2
@@ -32,12 +44,34 @@ FIXTURES = [
     dict(name="tiny-hf-f16", store="f16", layout="hf", shards=1, vocab=1024, hidden=48,
          pattern="M-*M*-", heads=6, kv=3, head_dim=8, mlp=64, m_heads=4, m_hdim=6, groups=1,
          state=8, prompt=21, gen=16, seed=3),
+    # Nemotron 3 mixture of experts. Every size divides by 4 where tensor parallelism splits it (--tp 2, 4).
+    # NVIDIA layout, BF16, two files: an MoE first layer, 12 experts top-3 chosen in 1 of 2 groups, a shared
+    # expert, norm_topk_prob, scaling 2.5; one tensor per expert; mtp.* tensors an engine must skip
+    dict(name="tiny-moe-bf16", store="bf16", layout="nvidia", shards=2, vocab=400, hidden=48,
+         pattern="E-M*EME", heads=4, kv=2, head_dim=12, mlp=64, m_heads=8, m_hdim=8, groups=4, state=8,
+         experts=12, top_k=3, n_group=2, topk_group=1, moe=20, shared=36, latent=None, norm_topk=True,
+         scale=2.5, mtp=True, prompt=31, gen=20, seed=11),
+    # transformers' save_pretrained, F16: 10 experts top-4, no grouping, weights not normalised, scaling 1.5
+    dict(name="tiny-moe-hf-f16", store="f16", layout="hf", shards=1, vocab=320, hidden=40,
+         pattern="ME*E-E", heads=4, kv=1, head_dim=10, mlp=48, m_heads=4, m_hdim=10, groups=4, state=8,
+         experts=10, top_k=4, n_group=1, topk_group=1, moe=12, shared=24, latent=None, norm_topk=False,
+         scale=1.5, prompt=23, gen=16, seed=12),
+    # latent MoE (as Nemotron 3 Super), F32, the module's own stacked layout under model.*: experts work on
+    # a 24-wide latent; 16 experts top-5 chosen in 2 of 4 groups, scaling 5.0
+    dict(name="tiny-moe-latent-f32", store="f32", layout="stacked", shards=1, vocab=256, hidden=64,
+         pattern="MEM*E-E", heads=8, kv=2, head_dim=8, mlp=32, m_heads=8, m_hdim=8, groups=4, state=8,
+         experts=16, top_k=5, n_group=4, topk_group=2, moe=16, shared=28, latent=24, norm_topk=True,
+         scale=5.0, prompt=27, gen=18, seed=13),
 ]
 TOL = {"f32": 1e-4, "bf16": 1e-4, "f16": 1e-4}  # nemoh computes in fp32 on the stored weights, as HF does here
 
 
 def hf_kwargs(f):
-    return dict(
+    moe = dict(n_routed_experts=f["experts"], num_experts_per_tok=f["top_k"], n_group=f["n_group"],
+               topk_group=f["topk_group"], moe_intermediate_size=f["moe"], n_shared_experts=1,
+               moe_shared_expert_intermediate_size=f["shared"], moe_latent_size=f["latent"],
+               norm_topk_prob=f["norm_topk"], routed_scaling_factor=f["scale"]) if "experts" in f else {}
+    return moe | dict(
         vocab_size=f["vocab"], hidden_size=f["hidden"], hybrid_override_pattern=f["pattern"],
         num_attention_heads=f["heads"], num_key_value_heads=f["kv"], head_dim=f["head_dim"],
         intermediate_size=f["mlp"], mamba_num_heads=f["m_heads"], mamba_head_dim=f["m_hdim"],
@@ -67,10 +101,54 @@ def init_weights(model, f, g):
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
             elif "embeddings" in name:
                 p.copy_(torch.randn(p.shape, generator=g))
-            elif p.ndim == 2:
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+            elif p.ndim == 2 or ".experts." in name:  # routed experts: [E, out, in], fan_in the last dim
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
             else:
                 raise SystemExit(f"unexpected parameter {name}")
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # positive, so sigmoid + bias > 0 everywhere and an implementation that fills the
+                # unchosen groups with 0 instead of -inf chooses the same; large enough to change choices
+                b.copy_(0.3 * torch.rand(b.shape, generator=g))
+
+
+def moe_mixers(model):
+    return [layer.mixer for layer in model.model.layers if isinstance(layer.mixer, mh.NemotronHMoE)]
+
+
+def eager_experts(model):
+    """The loop over experts is transformers' reference; other backends differ only in rounding."""
+    if hasattr(model, "set_experts_implementation"):
+        try:
+            model.set_experts_implementation("eager")
+        except Exception as e:  # older or newer API: the default backend computes the same sums
+            print(f"note: set_experts_implementation('eager'): {type(e).__name__}: {e}")
+    return model
+
+
+def check_moe_support():
+    """Stops unless this transformers builds NemotronH MoE and latent-MoE layers; prints their routing code."""
+    f = next(f for f in FIXTURES if f.get("latent"))
+    model = NemotronHForCausalLM(NemotronHConfig(**hf_kwargs(f)))
+    mixers = moe_mixers(model) if hasattr(mh, "NemotronHMoE") else []
+    lat = mixers and isinstance(mixers[0].fc1_latent_proj, torch.nn.Linear) and mixers[0].fc1_latent_proj.out_features == f["latent"]
+    if len(mixers) != f["pattern"].count("E") or not lat:
+        raise SystemExit(f"transformers {transformers.__version__}: NemotronHForCausalLM does not implement "
+                         f"{'latent ' if mixers else ''}mixture-of-experts layers (NemotronHMoE with fc1_latent_proj); stop")
+    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    m = f["pattern"].index("E")
+    want = [f"model.layers.{m}.mixer.{k}" for k in ("gate.weight", "gate.e_score_correction_bias", "experts.up_proj",
+            "experts.down_proj", "shared_experts.up_proj.weight", "shared_experts.down_proj.weight",
+            "fc1_latent_proj.weight", "fc2_latent_proj.weight")]
+    if any(w not in names for w in want):
+        raise SystemExit(f"unexpected MoE parameter names: want {want}, have {sorted(n for n in names if f'layers.{m}.' in n)}")
+    print(f"transformers {transformers.__version__} implements MoE and latent MoE: "
+          f"{type(mixers[0]).__name__}, router {type(mixers[0].gate).__name__}, experts {type(mixers[0].experts).__name__}")
+    for cls in {type(mixers[0]), type(mixers[0].gate), *type(mixers[0].gate).__mro__[1:-2]}:
+        try:
+            print(f"---- {cls.__name__} ({inspect.getsourcefile(cls)})\n{inspect.getsource(cls)}")
+        except (OSError, TypeError) as e:
+            print(f"---- {cls.__name__}: no source ({e})")
 
 
 @torch.no_grad()
@@ -99,20 +177,72 @@ def cached_logits(model, prompt, cont):
     return torch.stack(rows)
 
 
+@torch.no_grad()
+def router_margin(model, f, seq):
+    """Smallest gap, over every MoE layer and position, between the last chosen and the first unchosen
+    candidate of each choice the router makes (groups, then experts): sigmoid(x W^T) + bias, as
+    transformers chooses; an engine's rounding flips a choice only when it errs by more than this."""
+    caps = []
+    hooks = [mx.gate.register_forward_pre_hook(lambda mod, a: caps.append((mod, a[0].reshape(-1, a[0].shape[-1]).float())))
+             for mx in moe_mixers(model)]
+    full_logits(model, seq)
+    for h in hooks:
+        h.remove()
+    margin, G, k = math.inf, f["n_group"], f["top_k"]
+    for gate, x in caps:
+        c = torch.sigmoid(x @ gate.weight.float().T) + gate.e_score_correction_bias.float()
+        if G > 1:
+            gs = c.view(len(c), G, -1).topk(2, dim=-1).values.sum(-1)
+            top = gs.sort(-1, descending=True).values
+            margin = min(margin, float((top[:, f["topk_group"] - 1] - top[:, f["topk_group"]]).min()))
+            keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, gs.topk(f["topk_group"], dim=-1).indices, True)
+            c = c.masked_fill(~keep.repeat_interleave(c.shape[1] // G, dim=1), -math.inf)
+        top = c.sort(-1, descending=True).values
+        gap = top[:, k - 1] - top[:, k]
+        margin = min(margin, float(gap[torch.isfinite(gap)].min()) if torch.isfinite(gap).any() else math.inf)
+    return margin
+
+
 def component_checks(model, f, seq, ref):
     """Max |logit change| when one component is removed or perturbed: each must be far above the tolerance."""
     checks = {}
     def delta(fn):
         saved = {k: v.clone() for k, v in model.state_dict().items()}
         with torch.no_grad():
-            fn(dict(model.named_parameters()))
+            fn(dict(model.named_parameters()) | dict(model.named_buffers()))
         d = float((full_logits(model, seq) - ref).abs().max())
         model.load_state_dict(saved)
         return d
-    kinds = {"M": "mamba", "*": "attention", "-": "mlp"}
+    def delta_attr(attr, fn):
+        """The MoE layers run with one routing setting changed (on the MoE module or its router, wherever
+        this transformers keeps it)."""
+        saved = [(o, getattr(o, attr)) for mx in moe_mixers(model) for o in (mx, mx.gate) if hasattr(o, attr)]
+        if not saved:
+            raise SystemExit(f"no MoE module or router has the attribute {attr}")
+        for o, v in saved:
+            setattr(o, attr, fn(v))
+        d = float((full_logits(model, seq) - ref).abs().max())
+        for o, v in saved:
+            setattr(o, attr, v)
+        return d
+    kinds = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
     for l, k in enumerate(f["pattern"]):
-        out = {"M": "out_proj", "*": "o_proj", "-": "down_proj"}[k]
-        checks[f"layer {l} ({kinds[k]}) output"] = delta(lambda P, l=l, out=out: P[f"model.layers.{l}.mixer.{out}.weight"].zero_())
+        outs = {"M": ["out_proj.weight"], "*": ["o_proj.weight"], "-": ["down_proj.weight"],
+                "E": ["experts.down_proj", "shared_experts.down_proj.weight"]}[k]
+        checks[f"layer {l} ({kinds[k]}) output"] = delta(lambda P, l=l, outs=outs: [P[f"model.layers.{l}.mixer.{o}"].zero_() for o in outs])
+    if "E" in f["pattern"]:
+        e = f["pattern"].index("E")
+        parts = [("gate.weight", lambda t: t.mul_(0.5)), ("gate.e_score_correction_bias", lambda t: t.zero_()),
+                 ("experts.up_proj", lambda t: t[:, :, : t.shape[2] // 2].zero_()), ("experts.down_proj", lambda t: t.zero_()),
+                 ("shared_experts.up_proj.weight", lambda t: t.mul_(0.5)), ("shared_experts.down_proj.weight", lambda t: t.zero_())]
+        if f["latent"]:
+            parts += [("fc1_latent_proj.weight", lambda t: t.mul_(0.5)), ("fc2_latent_proj.weight", lambda t: t.mul_(0.5))]
+        for part, fn in parts:
+            checks[f"layer {e} moe {part}"] = delta(lambda P, part=part, fn=fn: fn(P[f"model.layers.{e}.mixer.{part}"]))
+        checks["moe norm_topk_prob flipped"] = delta_attr("norm_topk_prob", lambda v: not v)
+        checks["moe routed_scaling_factor doubled"] = delta_attr("routed_scaling_factor", lambda v: 2 * v)
+        if f["n_group"] > 1:
+            checks["moe topk_group = n_group (no group rule)"] = delta_attr("topk_group", lambda v: f["n_group"])
     m = f["pattern"].index("M")
     for part, fn in [("conv1d.bias", lambda t: t.zero_()), ("conv1d.weight", lambda t: t.mul_(0.5)),
                      ("D", lambda t: t.zero_()), ("dt_bias", lambda t: t.add_(1.0)), ("A_log", lambda t: t.add_(1.0)),
@@ -135,12 +265,12 @@ def stored(p, store):
 
 def make(f):
     g = torch.Generator().manual_seed(f["seed"])
-    for attempt in range(20):
-        model = NemotronHForCausalLM(NemotronHConfig(**hf_kwargs(f))).float().eval()
+    for attempt in range(30):
+        model = eager_experts(NemotronHForCausalLM(NemotronHConfig(**hf_kwargs(f))).float().eval())
         init_weights(model, f, g)
         # round to the stored dtype, so the fp32 reference sees exactly the weights nemoh reads
         with torch.no_grad():
-            for p in model.parameters():
+            for p in list(model.parameters()) + list(model.buffers()):
                 p.copy_(stored(p, f["store"]).float())
         set_clamp(model, False)
         prompt = torch.randint(3, f["vocab"], (f["prompt"],), generator=g).tolist()
@@ -152,8 +282,10 @@ def make(f):
         margin = float((top2[:, 0] - top2[:, 1]).min())
         checks = component_checks(model, f, seq, ref)
         weak = [k for k, v in checks.items() if v < (10 if "clamp" in k else 100) * TOL[f["store"]]]
-        print(f"{f['name']}: attempt {attempt}: HF cached path differs by {paths:.2e}, margin {margin:.2e}, weak checks {weak}")
-        if margin > 2e-3 and 2 not in cont and not weak:
+        rmargin = router_margin(model, f, seq) if "E" in f["pattern"] else math.inf
+        print(f"{f['name']}: attempt {attempt}: HF cached path differs by {paths:.2e}, margin {margin:.2e}, "
+              f"router margin {rmargin:.2e}, weak checks {weak}")
+        if margin > 2e-3 and rmargin > 2e-5 and 2 not in cont and not weak:
             break
     else:
         raise SystemExit(f"{f['name']}: no usable draw")
@@ -167,25 +299,88 @@ def make(f):
         half = NemotronHForCausalLM(NemotronHConfig(**hf_kwargs(f))).half()
         half.load_state_dict({k: v.half() for k, v in model.state_dict().items()})
         half.save_pretrained(d)
+    elif f["layout"] == "stacked":
+        save_file({k: stored(v, f["store"]).contiguous() for k, v in model.state_dict().items()},
+                  os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+        NemotronHConfig(**hf_kwargs(f)).save_pretrained(d)  # transformers' config.json (layers_block_type)
     else:
-        write_nvidia(model, f, d)
+        write_nvidia(model, f, d, g)
+    extra = {}
+    if "E" in f["pattern"]:
+        extra = {"router_min_margin": rmargin, "experts_on_disk": experts_on_disk(d),
+                 "hf_from_pretrained_max_diff": reload_diff(d, seq, ref)}
+        print(f"{f['name']}: experts stored {extra['experts_on_disk']}, transformers' from_pretrained of it "
+              f"reproduces the reference logits within {extra['hf_from_pretrained_max_diff']}")
     with open(os.path.join(d, "ref.json"), "w") as fh:
         json.dump({"prompt": prompt, "greedy": cont, "rows": len(seq), "vocab": f["vocab"],
                    "tolerance": TOL[f["store"]], "min_margin": margin, "hf_cached_path_max_diff": paths,
-                   "component_checks": checks,
+                   "component_checks": checks, **extra,
                    "made_by": "tools/make_fixtures.py with transformers " + __import__("transformers").__version__ +
                               ", torch " + torch.__version__ + ", float32 on the CPU, dt clamp removed"}, fh, indent=1)
     ref.numpy().astype("<f4").tofile(os.path.join(d, "ref_logits.bin"))
     for fn, ids in (("prompt.txt", prompt), ("greedy.txt", cont)):  # plain copies for test.sh
         with open(os.path.join(d, fn), "w") as fh:
             fh.write(" ".join(map(str, ids)) + "\n")
-    print(f"{f['name']}: {len(prompt)} prompt + {len(cont)} greedy tokens, margin {margin:.3g}")
+    size = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
+    print(f"{f['name']}: {len(prompt)} prompt + {len(cont)} greedy tokens, margin {margin:.3g}, {size} bytes")
+    if "E" in f["pattern"] and size > 1 << 20:
+        raise SystemExit(f"{f['name']}: {size} bytes, over the 1 MiB a fixture may take")
 
 
-def write_nvidia(model, f, d):
-    """NVIDIA's published layout: backbone.* names, hybrid_override_pattern, attention_head_dim."""
-    tensors = {("backbone." + k[len("model."):] if k.startswith("model.") else k): stored(v, f["store"]).contiguous()
-               for k, v in model.state_dict().items()}
+def experts_on_disk(d):
+    """How the written checkpoint stores routed experts: "per-expert" tensors or "stacked" [E, out, in]."""
+    names = []
+    for fn in sorted(os.listdir(d)):
+        if fn.endswith(".safetensors"):
+            with safe_open(os.path.join(d, fn), "pt") as fh:
+                names += [n for n in fh.keys() if ".mixer.experts." in n and not n.startswith("mtp.")]
+    return "stacked" if any(n.endswith("experts.up_proj") for n in names) else "per-expert" if names else "none"
+
+
+def reload_diff(d, seq, ref):
+    """transformers' own from_pretrained of the written directory, against the reference logits: the
+    checkpoint holds what the reference ran (None, with a warning, if transformers cannot load it)."""
+    try:
+        m = NemotronHForCausalLM.from_pretrained(d, dtype=torch.float32, use_mamba_kernels=False).eval()
+        set_clamp(eager_experts(m), False)
+        return float((full_logits(m, seq) - ref).abs().max())
+    except Exception as e:  # recorded, not fatal: nemoh's reference is the in-memory model above
+        print(f"WARNING: from_pretrained({d}) failed: {type(e).__name__}: {e}")
+        return None
+
+
+def mtp_tensors(f, g):
+    """Multi-token-prediction head tensors as Nemotron 3 checkpoints carry them (an attention layer and an
+    MoE layer under mtp.*), random: an engine must load past them."""
+    H, E, I, q, kv = f["hidden"], f["experts"], f["moe"], f["heads"] * f["head_dim"], f["kv"] * f["head_dim"]
+    shapes = {"mtp.layers.0.enorm.weight": [H], "mtp.layers.0.hnorm.weight": [H], "mtp.layers.0.eh_proj.weight": [H, 2 * H],
+              "mtp.layers.0.norm.weight": [H], "mtp.layers.0.mixer.q_proj.weight": [q, H],
+              "mtp.layers.0.mixer.k_proj.weight": [kv, H], "mtp.layers.0.mixer.v_proj.weight": [kv, H],
+              "mtp.layers.0.mixer.o_proj.weight": [H, q], "mtp.layers.1.norm.weight": [H],
+              "mtp.layers.1.mixer.gate.weight": [E, H], "mtp.layers.1.mixer.gate.e_score_correction_bias": [E],
+              "mtp.layers.1.mixer.shared_experts.up_proj.weight": [f["shared"], H],
+              "mtp.layers.1.mixer.shared_experts.down_proj.weight": [H, f["shared"]],
+              "mtp.layers.1.final_layernorm.weight": [H]}
+    for e in range(E):
+        shapes[f"mtp.layers.1.mixer.experts.{e}.up_proj.weight"] = [I, H]
+        shapes[f"mtp.layers.1.mixer.experts.{e}.down_proj.weight"] = [H, I]
+    return {k: stored(torch.randn(s, generator=g) / math.sqrt(s[-1]), f["store"]).contiguous() for k, s in shapes.items()}
+
+
+def write_nvidia(model, f, d, g):
+    """NVIDIA's published layout: backbone.* names, hybrid_override_pattern, attention_head_dim; routed
+    experts one tensor per expert (backbone.layers.L.mixer.experts.E.up_proj.weight), mtp.* extras."""
+    tensors = {}
+    for k, v in model.state_dict().items():
+        k = "backbone." + k[len("model."):] if k.startswith("model.") else k
+        if ".mixer.experts." in k:  # stacked [E, out, in] in the module: one [out, in] tensor per expert
+            base, proj = k.rsplit(".", 1)
+            tensors.update({f"{base}.{e}.{proj}.weight": stored(v[e], f["store"]).contiguous() for e in range(len(v))})
+        else:
+            tensors[k] = stored(v, f["store"]).contiguous()
+    mtp = {"num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"} if f.get("mtp") else {}
+    if mtp:
+        tensors.update(mtp_tensors(f, g))
     names = sorted(tensors)
     if f["shards"] == 1:
         save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
@@ -199,11 +394,16 @@ def write_nvidia(model, f, d):
             index["weight_map"].update({k: fn for k in part})
         with open(os.path.join(d, "model.safetensors.index.json"), "w") as fh:
             json.dump(index, fh, indent=2)
-    cfg = nvidia_config(hf_kwargs(f), {"f32": "float32", "bf16": "bfloat16"}[f["store"]])
+    cfg = nvidia_config(hf_kwargs(f) | mtp, {"f32": "float32", "bf16": "bfloat16"}[f["store"]])
     with open(os.path.join(d, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2)  # Python writes the bare token Infinity, as NVIDIA's files have it
 
 
 if __name__ == "__main__":
-    for f in FIXTURES:
+    chosen = [f for f in FIXTURES if not ONLY or any(fnmatch.fnmatch(f["name"], p) for p in ONLY)]
+    if not chosen:
+        raise SystemExit(f"no fixture matches {ONLY}; names: {[f['name'] for f in FIXTURES]}")
+    if any("experts" in f for f in chosen):
+        check_moe_support()
+    for f in chosen:
         make(f)

@@ -1,5 +1,6 @@
 """What tools/make_fixtures.py and tools/train_default.py share: the dt clamp switch of transformers'
-NemotronH, and the config.json of NVIDIA's published layout for a NemotronHConfig's arguments."""
+NemotronH, and the config.json of NVIDIA's published layout (Nemotron 3 MoE keys included) for a
+NemotronHConfig's arguments."""
 
 
 def set_clamp(model, on):
@@ -32,4 +33,14 @@ def nvidia_config(kw, dtype):
         "time_step_max": kw["time_step_max"], "time_step_limit": [0.0, float("inf")],
         "bos_token_id": kw["bos_token_id"], "eos_token_id": kw["eos_token_id"], "pad_token_id": kw["pad_token_id"],
         "tie_word_embeddings": kw["tie_word_embeddings"], "residual_in_fp32": False, "torch_dtype": dtype,
-    }
+    } | moe_config(kw)
+
+
+MOE_KEYS = ["n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+            "n_shared_experts", "moe_latent_size", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor",
+            "num_nextn_predict_layers", "mtp_hybrid_override_pattern"]
+
+
+def moe_config(kw):
+    """The mixture-of-experts keys of NVIDIA's Nemotron 3 config.json, for a model with MoE layers."""
+    return {k: kw[k] for k in MOE_KEYS if k in kw} if "n_routed_experts" in kw else {}
