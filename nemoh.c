@@ -83,10 +83,11 @@ static int file_exists(const char *path) {
 
 /* Tensor-parallel sizes; returns NULL if n ranks can split the model, else the reason. */
 static const char *shard_sizes(Shard *s, const Config *c, int rank, int n) {
-    int has_m = has_kind(c, 'M'), has_a = has_kind(c, '*'), has_f = has_kind(c, '-');
+    int has_m = has_kind(c, 'M'), has_a = has_kind(c, '*'), has_f = has_kind(c, '-'), has_e = has_kind(c, 'E');
     if (has_m && (c->m_heads % n || c->n_groups % n)) return "mamba heads and n_groups";
     if (has_a && (c->n_heads % n || (c->n_kv % n && n % c->n_kv))) return "attention heads (and kv heads, or be a multiple of them)";
     if (has_f && c->mlp % n) return "the MLP size";
+    if (has_e && (c->moe % n || c->shared % n)) return "the routed and shared expert sizes";
     if (c->vocab % n) return "the vocabulary";
     memset(s, 0, sizeof *s);
     s->rank = rank;
@@ -105,6 +106,10 @@ static const char *shard_sizes(Shard *s, const Config *c, int rank, int n) {
         s->kv0 = s->q0 / (c->n_heads / c->n_kv);
     }
     s->mlp = has_f ? c->mlp / n : 0;
+    /* every rank holds every expert: 1/n of each one's up rows and down columns (vLLM's fused-MoE TP);
+       the router and the latent projections are replicated */
+    s->moe = has_e ? c->moe / n : 0;
+    s->shared = has_e ? c->shared / n : 0;
     s->vocab = c->vocab / n;
     return NULL;
 }
@@ -117,6 +122,7 @@ typedef struct {
     int n;                      /* ranks */
     pthread_barrier_t bar;      /* all ranks meet here around every host all-reduce */
     float **pend;               /* [n] each rank's pending buffer, read by every rank */
+    int **route;                /* [n] each rank's chosen experts, compared with rank 0's (MoE) */
     float *logits;              /* [t_max, vocab] gathered logits: rank r writes columns of its slice */
     int rows;                   /* rows of logits the last forward wrote; the sampler reads the last */
 } CpuShared;
@@ -135,6 +141,15 @@ typedef struct {
     float **ssm;                /* [n_layers] Mamba: [m_heads, m_hdim, d_state] fp32 state */
     float **k, **v;             /* [n_layers] attention: [ctx, kv*head_dim] cache */
     int proj_w;                 /* columns of proj */
+    /* mixture of experts; d = latent size, or hidden */
+    int *route;                 /* [t_max, top_k] the experts each token chose */
+    float *route_w;             /* [t_max, top_k] their weights */
+    float *escore;              /* [2 * n_experts + n_group] one token's router scratch */
+    float *ez;                  /* [t_max, d] the experts' input fc1_latent_proj(x) (latent MoE) */
+    float *eacc;                /* [t_max, max(d, hidden)] routed sum, then the shared expert's output */
+    float *ein, *eout;          /* [t_max, d] inputs and outputs of the tokens one expert serves */
+    int *etok;                  /* [t_max] those tokens */
+    float *ew;                  /* [t_max] their weights for that expert */
 } CpuState;
 
 static int cpu_threads = 1;     /* OpenMP threads per rank: the cores shared among the ranks */
@@ -189,6 +204,8 @@ static void cpu_init(Rank *r) {
     int qkv = (s->q + 2 * s->kv) * c->head_dim;
     st->proj_w = s->in_proj > qkv ? s->in_proj : qkv;
     if (s->mlp > st->proj_w) st->proj_w = s->mlp;
+    if (s->moe > st->proj_w) st->proj_w = s->moe;
+    if (s->shared > st->proj_w) st->proj_w = s->shared;
     int yw = s->d_inner > s->q * c->head_dim ? s->d_inner : s->q * c->head_dim;
     st->res = xcalloc(T * hidden, sizeof(float));
     st->x = xcalloc(T * hidden, sizeof(float));
@@ -212,9 +229,22 @@ static void cpu_init(Rank *r) {
             st->v[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
         }
     }
+    if (has_kind(c, 'E')) {
+        size_t d = (size_t)(c->latent ? c->latent : c->hidden), K = (size_t)c->top_k;
+        st->route = xcalloc(T * K, sizeof(int));
+        st->route_w = xcalloc(T * K, sizeof(float));
+        st->escore = xcalloc(2 * (size_t)c->n_experts + (size_t)c->n_group, sizeof(float));
+        st->ez = xcalloc(T * d, sizeof(float));
+        st->eacc = xcalloc(T * (d > hidden ? d : hidden), sizeof(float));
+        st->ein = xcalloc(T * d, sizeof(float));
+        st->eout = xcalloc(T * d, sizeof(float));
+        st->etok = xcalloc(T, sizeof(int));
+        st->ew = xcalloc(T, sizeof(float));
+    }
     r->st = st;
     CpuShared *sh = r->sh;
     sh->pend[s->rank] = st->pend;
+    sh->route[s->rank] = st->route;
 }
 
 static void cpu_free(Rank *r) {
@@ -223,6 +253,8 @@ static void cpu_free(Rank *r) {
     free(st->conv); free(st->ssm); free(st->k); free(st->v);
     free(st->res); free(st->x); free(st->pend); free(st->sum); free(st->proj); free(st->xbc); free(st->y);
     free(st->hist); free(st->att);
+    free(st->route); free(st->route_w); free(st->escore); free(st->ez); free(st->eacc); free(st->ein); free(st->eout);
+    free(st->etok); free(st->ew);
     free(st);
     r->st = NULL;
 }
@@ -368,17 +400,111 @@ static void cpu_attention(Rank *r, int l, int T, int pos) {
     matmul(st->pend, hidden, st->y, qw, T, &L->wo);
 }
 
+/* a = relu(a)^2 over n elements: the activation of the MLP and of every expert */
+static void relu2(float *a, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        float u = a[i] > 0 ? a[i] : 0;
+        a[i] = u * u;
+    }
+}
+
 /* MLP: down(relu(up(x))^2) */
 static void cpu_mlp(Rank *r, int l, int T) {
     const Layer *L = &r->w.layer[l];
     CpuState *st = r->st;
     int hidden = r->c->hidden, m = r->s.mlp;
     matmul(st->proj, m, st->x, hidden, T, &L->up);
-    for (size_t i = 0; i < (size_t)T * m; i++) {
-        float u = st->proj[i] > 0 ? st->proj[i] : 0;
-        st->proj[i] = u * u;
-    }
+    relu2(st->proj, (size_t)T * m);
     matmul(st->pend, hidden, st->proj, m, T, &L->down);
+}
+
+/* The router for one token x, in fp32, as transformers' NemotronH (DeepSeek-V3) router: s = sigmoid(W_gate x);
+ * experts are chosen by s + bias: the topk_group groups with the largest sum of their two best, then the
+ * top_k best experts inside them; their weights are s (no bias), / (sum + 1e-20) if norm_topk_prob, then
+ * * routed_scaling_factor. Equal candidates go to the lower index. scratch: [2 * n_experts + n_group]. */
+static void moe_route(const Config *c, const Layer *L, const float *x, float *scratch, int *idx, float *w) {
+    int E = c->n_experts, G = c->n_group, per = E / G;
+    float *s = scratch, *choice = scratch + E, *gscore = scratch + 2 * E, sum = 0;
+    Mat gate = {L->gate, DT_F32, E, c->hidden, (size_t)c->hidden};
+    for (int e = 0; e < E; e++) {
+        s[e] = 1.0f / (1.0f + expf(-dot_row(&gate, e, x)));
+        choice[e] = s[e] + L->gate_bias[e];
+    }
+    if (G > 1) {
+        /* group score = its best + its second best choice value; keep topk_group groups, mask the rest */
+        for (int g = 0; g < G; g++) {
+            float b1 = -INFINITY, b2 = -INFINITY;
+            for (int e = g * per; e < (g + 1) * per; e++)
+                if (choice[e] > b1) { b2 = b1; b1 = choice[e]; } else if (choice[e] > b2) b2 = choice[e];
+            gscore[g] = b1 + b2;
+        }
+        for (int k = 0; k < c->topk_group; k++) {
+            int best = -1;
+            for (int g = 0; g < G; g++) if (gscore[g] < INFINITY && (best < 0 || gscore[g] > gscore[best])) best = g;
+            if (best < 0) die("the MoE router's group scores are not finite");
+            gscore[best] = INFINITY;  /* kept */
+        }
+        for (int g = 0; g < G; g++)
+            if (gscore[g] < INFINITY) for (int e = g * per; e < (g + 1) * per; e++) choice[e] = -INFINITY;
+    }
+    for (int k = 0; k < c->top_k; k++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) if (choice[e] > -INFINITY && (best < 0 || choice[e] > choice[best])) best = e;
+        if (best < 0) die("the MoE router's scores are not finite");
+        choice[best] = -INFINITY;
+        idx[k] = best;
+        sum += w[k] = s[best];
+    }
+    for (int k = 0; k < c->top_k; k++) w[k] = (c->norm_topk ? w[k] / (sum + 1e-20f) : w[k]) * c->routed_scale;
+}
+
+/* Mixture of experts: pending = fc2_latent(sum_i w_i down_i(relu(up_i z)^2)) + down_s(relu(up_s x)^2), with
+ * z = fc1_latent(x) (latent MoE) or z = x and no fc2. Each rank holds 1/n of every expert's and of the
+ * shared expert's intermediate rows, so its sums are partial; fc2 is linear, so each rank applies it to
+ * its own partial sum. The pending buffer then owes one all-reduce, like any other layer's. */
+static void cpu_moe(Rank *r, int l, int T) {
+    const Config *c = r->c;
+    const Shard *s = &r->s;
+    const Layer *L = &r->w.layer[l];
+    CpuState *st = r->st;
+    CpuShared *sh = r->sh;
+    int hidden = c->hidden, d = c->latent ? c->latent : hidden, K = c->top_k;
+    for (int t = 0; t < T; t++)
+        moe_route(c, L, st->x + (size_t)t * hidden, st->escore, st->route + (size_t)t * K, st->route_w + (size_t)t * K);
+    if (sh->n > 1) {
+        /* every rank routed the same reduced input; a rank that chose otherwise would sum other experts'
+           slices. No barrier after: rank 0 rewrites its choices only past the next layer's all-reduce. */
+        pthread_barrier_wait(&sh->bar);
+        for (int i = 0; i < T * K; i++)
+            if (st->route[i] != sh->route[0][i])
+                die("layer %d: rank %d chose expert %d where rank 0 chose %d", l, s->rank, st->route[i], sh->route[0][i]);
+    }
+    const float *z = st->x;
+    if (c->latent) { matmul(st->ez, d, st->x, hidden, T, &L->lat_in); z = st->ez; }
+    /* acc[t] = sum over its chosen experts e, in expert order, of w * down_e(relu(up_e z[t])^2) */
+    memset(st->eacc, 0, (size_t)T * d * sizeof(float));
+    for (int e = 0; e < c->n_experts; e++) {
+        int n = 0;
+        for (int i = 0; i < T * K; i++)
+            if (st->route[i] == e) {
+                st->etok[n] = i / K;
+                st->ew[n] = st->route_w[i];
+                memcpy(st->ein + (size_t)n++ * d, z + (size_t)(i / K) * d, (size_t)d * sizeof(float));
+            }
+        if (!n) continue;
+        matmul(st->proj, s->moe, st->ein, d, n, &L->eup[e]);
+        relu2(st->proj, (size_t)n * s->moe);
+        matmul(st->eout, d, st->proj, s->moe, n, &L->edown[e]);
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < d; i++) st->eacc[(size_t)st->etok[j] * d + i] += st->ew[j] * st->eout[(size_t)j * d + i];
+    }
+    if (c->latent) matmul(st->pend, hidden, st->eacc, d, T, &L->lat_out);
+    else memcpy(st->pend, st->eacc, (size_t)T * hidden * sizeof(float));
+    /* the shared expert on x itself, added to the routed sum */
+    matmul(st->proj, s->shared, st->x, hidden, T, &L->sup);
+    relu2(st->proj, (size_t)T * s->shared);
+    matmul(st->eacc, hidden, st->proj, s->shared, T, &L->sdown);
+    for (size_t i = 0; i < (size_t)T * hidden; i++) st->pend[i] += st->eacc[i];
 }
 
 /* Logits of the last row (or all T rows): each rank fills its vocabulary slice of the shared rows. */
@@ -409,6 +535,7 @@ static void *cpu_setup(const Config *c, int n, int t_max, int logit_rows) {
     sh->n = n;
     pthread_barrier_init(&sh->bar, NULL, (unsigned)n);
     sh->pend = xcalloc((size_t)n, sizeof(float *));
+    sh->route = xcalloc((size_t)n, sizeof(int *));
     (void)t_max;
     sh->logits = xcalloc((size_t)logit_rows * (size_t)c->vocab, sizeof(float));
     return sh;
@@ -418,13 +545,14 @@ static void cpu_teardown(void *p) {
     CpuShared *sh = p;
     pthread_barrier_destroy(&sh->bar);
     free(sh->pend);
+    free(sh->route);
     free(sh->logits);
     free(sh);
 }
 
 static const Backend cpu_backend = {
     .name = "cpu", .setup = cpu_setup, .teardown = cpu_teardown, .init = cpu_init, .free = cpu_free, .embed = cpu_embed, .norm = cpu_norm,
-    .mamba = cpu_mamba, .attention = cpu_attention, .mlp = cpu_mlp, .allreduce = cpu_allreduce,
+    .mamba = cpu_mamba, .attention = cpu_attention, .mlp = cpu_mlp, .moe = cpu_moe, .allreduce = cpu_allreduce,
     .logits = cpu_logits, .sample = cpu_sample, .host_logits = cpu_host_logits,
 };
 
@@ -437,7 +565,7 @@ static void trace_layer(const Rank *r, int l, int how) {
     if (!r->trace || r->s.rank != 0) return;
     const char kind = r->c->kind[l];
     fprintf(stderr, "layer %3d  %-6s %-44s pending in: %s\n", l,
-            kind == 'M' ? "mamba" : kind == '*' ? "attn" : "mlp",
+            kind == 'M' ? "mamba" : kind == '*' ? "attn" : kind == '-' ? "mlp" : "moe",
             how == NORM_PLAIN ? "rmsnorm" : how == NORM_FUSED ? "fused all-reduce + add + rmsnorm" : "add + rmsnorm",
             how == NORM_PLAIN ? "no" : how == NORM_FUSED ? "yes (reduced here)" : "yes (reduced at last layer's end)");
     if (l == r->c->n_layers - 1)
@@ -463,7 +591,8 @@ static void forward(Rank *r, const int *tok, int T, int pos, int all_logits) {
         /* pending = mixer_l(x): row-parallel partial sums */
         if (c->kind[l] == 'M') be->mamba(r, l, T, pos);
         else if (c->kind[l] == '*') be->attention(r, l, T, pos);
-        else be->mlp(r, l, T);
+        else if (c->kind[l] == '-') be->mlp(r, l, T);
+        else be->moe(r, l, T);
         if (!r->fuse) be->allreduce(r, T);
     }
     /* allreduce(pending); residual += pending; x = rmsnorm(residual, norm_f); logits = lm_head(x) */
@@ -917,6 +1046,36 @@ static void cfg_act(const Json *root, const char *path, const char *key, const c
         die("%s: %s must be \"%s\"", path, key, want);
 }
 
+/* The mixture-of-experts keys (Nemotron 3): experts, the router's grouped top-k, latent and shared
+ * experts. A router transformers would run with fewer candidates than it picks is refused. */
+static void config_moe(Config *c, const Json *root, const char *path) {
+    c->n_experts = cfg_int(root, path, "n_routed_experts", 1, 0);
+    c->top_k = cfg_int(root, path, "num_experts_per_tok", 1, 0);
+    c->n_group = cfg_int(root, path, "n_group", 0, 1);
+    c->topk_group = cfg_int(root, path, "topk_group", 0, 1);
+    c->moe = cfg_int(root, path, "moe_intermediate_size", 1, 0);
+    c->shared = cfg_int(root, path, "moe_shared_expert_intermediate_size", 1, 0);
+    c->latent = cfg_int(root, path, "moe_latent_size", 0, 0);
+    /* transformers adds exactly one shared expert whatever n_shared_experts says; vLLM multiplies */
+    if (cfg_int(root, path, "n_shared_experts", 0, 1) != 1) die("%s: n_shared_experts must be 1", path);
+    const Json *norm = json_get(root, "norm_topk_prob"), *scale = json_get(root, "routed_scaling_factor");
+    if (norm && norm->type != J_BOOL) die("%s: norm_topk_prob must be true or false", path);
+    c->norm_topk = norm ? norm->num != 0 : 1;  /* transformers' default */
+    if (scale && (scale->type != J_NUM || !(fabs(scale->num) < 1e6))) die("%s: routed_scaling_factor must be a number", path);
+    c->routed_scale = scale ? (float)scale->num : 1.0f;
+    if (!c->n_experts || !c->moe || !c->shared) die("%s: n_routed_experts, moe_intermediate_size and moe_shared_expert_intermediate_size must be positive", path);
+    if (c->top_k < 1 || c->top_k > c->n_experts)
+        die("%s: num_experts_per_tok = %d must be from 1 to n_routed_experts = %d", path, c->top_k, c->n_experts);
+    if (c->n_group < 1 || c->n_experts % c->n_group) die("%s: n_group = %d must divide n_routed_experts = %d", path, c->n_group, c->n_experts);
+    if (c->topk_group < 1 || c->topk_group > c->n_group) die("%s: topk_group = %d must be from 1 to n_group = %d", path, c->topk_group, c->n_group);
+    int per = c->n_experts / c->n_group;
+    if (c->n_group > 1 && per < 2) die("%s: with n_group > 1 every group needs 2 experts (a group scores by its top two)", path);
+    if (c->top_k > c->topk_group * per)
+        die("%s: num_experts_per_tok = %d is more than the %d experts of topk_group = %d groups", path, c->top_k, c->topk_group * per, c->topk_group);
+    cfg_act(root, path, "mlp_hidden_act", "relu2");
+    cfg_require(root, path, "mlp_bias", 0);
+}
+
 static void config_load(Config *c, const char *dir) {
     char path[4096];
     snprintf(path, sizeof path, "%s/config.json", dir);
@@ -930,7 +1089,7 @@ static void config_load(Config *c, const char *dir) {
     if (root->type != J_OBJ) die("%s: not a JSON object", path);
     memset(c, 0, sizeof *c);
 
-    /* The layer pattern: one character per layer, 'M' Mamba2, '*' attention, '-' MLP. */
+    /* The layer pattern: one character per layer, 'M' Mamba2, '*' attention, '-' MLP, 'E' MoE. */
     const Json *pat = json_get(root, "hybrid_override_pattern"), *types = json_get(root, "layers_block_type");
     if (types && types->type == J_ARR) {
         for (const Json *e = types->child; e; e = e->next) {
@@ -953,8 +1112,6 @@ static void config_load(Config *c, const char *dir) {
         die("%s: missing key hybrid_override_pattern (or layers_block_type)", path);
     }
     if (c->n_layers == 0) die("%s: the model has no layers", path);
-    for (int i = 0; i < c->n_layers; i++)
-        if (c->kind[i] == 'E') die("%s: layer %d is a mixture-of-experts block; nemoh does not support MoE", path, i);
     int nl = cfg_int(root, path, "num_hidden_layers", 0, c->n_layers);
     if (nl != c->n_layers) die("%s: num_hidden_layers is %d but the pattern has %d layers", path, nl, c->n_layers);
     int has_m = has_kind(c, 'M'), has_a = has_kind(c, '*'), has_f = has_kind(c, '-');
@@ -994,6 +1151,7 @@ static void config_load(Config *c, const char *dir) {
         cfg_require(root, path, "mamba_proj_bias", 0);
         cfg_require(root, path, "use_bias", 0);
     }
+    if (has_kind(c, 'E')) config_moe(c, root, path);
     if (!c->vocab || !c->hidden || !c->ctx) die("%s: vocab_size, hidden_size and max_position_embeddings must be positive", path);
     const Json *eos = json_get(root, "eos_token_id");
     if (eos && eos->type == J_ARR) {
@@ -1029,7 +1187,7 @@ struct Checkpoint {
     const char *dir;            /* checkpoint directory */
     MappedFile file[256];       /* [n_files] safetensors files */
     int n_files;
-    Tensor *t;                  /* [n] all tensors of all files */
+    Tensor *t;                  /* [n] all tensors of all files, sorted by name once loaded */
     int n, cap;
     int owned;                  /* 1: tensor data is malloc'ed (a synthetic checkpoint), not mapped */
 };
@@ -1121,6 +1279,23 @@ static void st_open(Checkpoint *ck, const char *path) {
     json_free(&doc);
 }
 
+static int tensor_cmp(const void *a, const void *b) { return strcmp(((const Tensor *)a)->name, ((const Tensor *)b)->name); }
+
+static const Tensor *st_lookup(const Checkpoint *ck, const char *name) {
+    Tensor key = {0};
+    key.name = (char *)name;
+    return bsearch(&key, ck->t, (size_t)ck->n, sizeof(Tensor), tensor_cmp);
+}
+
+/* Sorts the tensors by name, so that lookups are binary searches (a checkpoint with one tensor per
+ * expert has tens of thousands), and refuses a name that appears twice. */
+static void st_sort(Checkpoint *ck) {
+    qsort(ck->t, (size_t)ck->n, sizeof(Tensor), tensor_cmp);
+    for (int i = 1; i < ck->n; i++)
+        if (!strcmp(ck->t[i].name, ck->t[i - 1].name))
+            die("%s: tensor %s appears twice (%s and %s)", ck->dir, ck->t[i].name, ck->t[i - 1].file, ck->t[i].file);
+}
+
 /* A checkpoint directory: model.safetensors, or the shards that model.safetensors.index.json names. */
 static void build_checkpoint(Checkpoint *ck, const char *dir) {
     char path[4096];
@@ -1141,11 +1316,9 @@ static void build_checkpoint(Checkpoint *ck, const char *dir) {
             for (int i = 0; i < ck->n_files; i++) seen |= strcmp(ck->file[i].path, shard) == 0;
             if (!seen) st_open(ck, shard);
         }
-        for (const Json *e = map->child; e; e = e->next) {  /* every indexed tensor must exist */
-            int found = 0;
-            for (int i = 0; i < ck->n && !found; i++) found = strcmp(ck->t[i].name, e->key) == 0;
-            if (!found) die("%s: tensor %s is indexed but missing from %s", path, e->key, e->str);
-        }
+        st_sort(ck);
+        for (const Json *e = map->child; e; e = e->next)  /* every indexed tensor must exist */
+            if (!st_lookup(ck, e->key)) die("%s: tensor %s is indexed but missing from %s", path, e->key, e->str);
         json_free(&doc);
         free(text);
         return;
@@ -1153,6 +1326,7 @@ static void build_checkpoint(Checkpoint *ck, const char *dir) {
     snprintf(path, sizeof path, "%s/model.safetensors", dir);
     if (!file_exists(path)) die("%s: no model.safetensors or model.safetensors.index.json", dir);
     st_open(ck, path);
+    st_sort(ck);
 }
 
 static void free_checkpoint(Checkpoint *ck) {
@@ -1174,10 +1348,17 @@ static const Tensor *st_find(const Checkpoint *ck, const char *name) {
     char full[256];
     for (int p = 0; p < 3; p++) {
         snprintf(full, sizeof full, "%s%s", prefix[p], name);
-        for (int i = 0; i < ck->n; i++)
-            if (strcmp(ck->t[i].name, full) == 0) return &ck->t[i];
+        const Tensor *t = st_lookup(ck, full);
+        if (t) return t;
     }
     return NULL;
+}
+
+/* Dies: tensor t does not have the shape the config implies (`want`, e.g. "12,20,48"). */
+static void st_bad_shape(const Tensor *t, const char *want) {
+    char have[96] = "", *p = have;
+    for (int i = 0; i < t->ndim; i++) p += sprintf(p, "%s%ld", i ? "," : "", t->shape[i]);
+    die("%s: tensor %s has shape [%s], config implies [%s]", t->file, t->name, have, want);
 }
 
 /* The tensor `name`, which must exist with exactly the shape the config implies (d1 = 0: 1-D). */
@@ -1188,21 +1369,64 @@ static const Tensor *st_get(const Checkpoint *ck, const char *name, long d0, lon
     long s0 = t->shape[0], s1 = t->ndim == 3 && t->shape[1] == 1 ? t->shape[2] : t->ndim >= 2 ? t->shape[1] : 0;
     int ndim = t->ndim == 3 && t->shape[1] == 1 ? 2 : t->ndim;
     if (ndim != (d1 ? 2 : 1) || s0 != d0 || s1 != d1) {
-        char have[96] = "", *p = have;
-        for (int i = 0; i < t->ndim; i++) p += sprintf(p, "%s%ld", i ? "," : "", t->shape[i]);
-        if (d1) die("%s: tensor %s has shape [%s], config implies [%ld,%ld]", t->file, t->name, have, d0, d1);
-        die("%s: tensor %s has shape [%s], config implies [%ld]", t->file, t->name, have, d0);
+        char want[64];
+        snprintf(want, sizeof want, d1 ? "%ld,%ld" : "%ld", d0, d1);
+        st_bad_shape(t, want);
     }
     return t;
+}
+
+/* Layer l's routed experts' `proj` ("up_proj" [moe, d] or "down_proj" [d, moe]) stacked in one
+ * [n_experts, rows, cols] tensor, as transformers' module holds them; NULL when the checkpoint has one
+ * tensor per expert instead (NVIDIA's layout, layers.L.mixer.experts.E.up_proj.weight). */
+static const Tensor *st_experts_stacked(const Checkpoint *ck, int l, const char *proj, long E, long rows, long cols) {
+    char name[128], want[64];
+    snprintf(name, sizeof name, "layers.%d.mixer.experts.%s", l, proj);
+    const Tensor *t = st_find(ck, name);
+    snprintf(want, sizeof want, "%ld,%ld,%ld", E, rows, cols);
+    if (t && (t->ndim != 3 || t->shape[0] != E || t->shape[1] != rows || t->shape[2] != cols)) st_bad_shape(t, want);
+    return t;
+}
+
+/* Refuses routed-expert tensors the model does not read (an expert index past n_routed_experts, experts
+ * in a layer that is not 'E', both layouts at once, an unknown projection); returns how many mtp.*
+ * tensors (multi-token prediction heads, which nemoh does not run) the checkpoint carries. */
+static int st_check_extra(const Checkpoint *ck, const Config *c) {
+    int mtp = 0;
+    for (int i = 0; i < ck->n; i++) {
+        const char *name = ck->t[i].name, *rest = name, *tail = NULL;
+        if (!strncmp(name, "mtp.", 4)) { mtp++; continue; }
+        if (!strncmp(rest, "backbone.", 9)) rest += 9;
+        else if (!strncmp(rest, "model.", 6)) rest += 6;
+        int l, e = -1, n = 0;
+        if (sscanf(rest, "layers.%d.mixer.experts.%n", &l, &n) != 1 || !n) continue;
+        tail = rest + n;
+        if (isdigit((unsigned char)*tail)) {
+            char *end;
+            e = (int)strtol(tail, &end, 10);
+            tail = end;
+        }
+        int up = e < 0 ? !strcmp(tail, "up_proj") : !strcmp(tail, ".up_proj.weight");
+        int down = e < 0 ? !strcmp(tail, "down_proj") : !strcmp(tail, ".down_proj.weight");
+        if (l < 0 || l >= c->n_layers || c->kind[l] != 'E')
+            die("%s: tensor %s: layer %d is not a mixture-of-experts layer", ck->t[i].file, name, l);
+        if (!up && !down) die("%s: tensor %s: not a routed expert's up_proj or down_proj", ck->t[i].file, name);
+        if (e >= c->n_experts) die("%s: tensor %s: expert %d, but n_routed_experts is %d", ck->t[i].file, name, e, c->n_experts);
+        char stacked[128];
+        snprintf(stacked, sizeof stacked, "layers.%d.mixer.experts.%s", l, up ? "up_proj" : "down_proj");
+        if (e >= 0 && st_find(ck, stacked))
+            die("%s: tensor %s: the layer's experts are also stored stacked (%s)", ck->t[i].file, name, st_find(ck, stacked)->name);
+    }
+    return mtp;
 }
 
 /* ------------------------------------------------------------------------------------------------
  * Weights: each rank's views into the checkpoint, sliced as shard_sizes() says
  * ---------------------------------------------------------------------------------------------- */
 
-/* Rows [r0, r0+rows) and columns [c0, c0+cols) of a 2-D tensor, as a view. */
+/* Rows [r0, r0+rows) and columns [c0, c0+cols) of a 2-D tensor (or of a 3-D one read as [d0*d1, d2]), as a view. */
 static Mat mat_view(const Tensor *t, long r0, long rows, long c0, long cols) {
-    long ld = t->ndim == 2 ? t->shape[1] : 1;
+    long ld = t->ndim >= 2 ? t->shape[t->ndim - 1] : 1;  /* [E, rows, cols] stacked experts: rows E*rows */
     const char *p = t->data ? (const char *)t->data + ((size_t)r0 * (size_t)ld + (size_t)c0) * (size_t)dtype_size[t->dtype] : NULL;
     return (Mat){p, t->dtype, (int)rows, (int)cols, (size_t)ld};
 }
@@ -1263,9 +1487,30 @@ static void build_weights(Weights *w, const Checkpoint *ck, const Config *c, con
             L->wk = mat_view(T2("mixer.k_proj.weight", c->n_kv * hd, H), (long)s->kv0 * hd, s->kv * hd, 0, H);
             L->wv = mat_view(T2("mixer.v_proj.weight", c->n_kv * hd, H), (long)s->kv0 * hd, s->kv * hd, 0, H);
             L->wo = mat_view(T2("mixer.o_proj.weight", H, c->n_heads * hd), 0, H, (long)s->q0 * hd, s->q * hd);
-        } else {
+        } else if (L->kind == '-') {
             L->up = mat_view(T2("mixer.up_proj.weight", c->mlp, H), (long)r * s->mlp, s->mlp, 0, H);
             L->down = mat_view(T2("mixer.down_proj.weight", H, c->mlp), 0, H, (long)r * s->mlp, s->mlp);
+        } else {
+            int E = c->n_experts, d = c->latent ? c->latent : H, m = c->moe;
+            L->gate = small_f32(T2("mixer.gate.weight", E, H), 0, (size_t)E * H);
+            L->gate_bias = small_f32(T2("mixer.gate.e_score_correction_bias", E, 0), 0, (size_t)E);
+            /* expert e: this rank's rows of up [moe, d] and columns of down [d, moe], stacked or not */
+            const Tensor *up = st_experts_stacked(ck, l, "up_proj", E, m, d), *down = st_experts_stacked(ck, l, "down_proj", E, d, m);
+            L->eup = xcalloc((size_t)E, sizeof(Mat));
+            L->edown = xcalloc((size_t)E, sizeof(Mat));
+            for (int e = 0; e < E; e++) {
+                char f[64];
+                const Tensor *u = up ? up : (snprintf(f, sizeof f, "mixer.experts.%d.up_proj.weight", e), T2(f, m, d));
+                const Tensor *dn = down ? down : (snprintf(f, sizeof f, "mixer.experts.%d.down_proj.weight", e), T2(f, d, m));
+                L->eup[e] = mat_view(u, (up ? (long)e * m : 0) + (long)r * s->moe, s->moe, 0, d);
+                L->edown[e] = mat_view(dn, down ? (long)e * d : 0, d, (long)r * s->moe, s->moe);
+            }
+            L->sup = mat_view(T2("mixer.shared_experts.up_proj.weight", c->shared, H), (long)r * s->shared, s->shared, 0, H);
+            L->sdown = mat_view(T2("mixer.shared_experts.down_proj.weight", H, c->shared), 0, H, (long)r * s->shared, s->shared);
+            if (c->latent) {
+                L->lat_in = mat_view(T2("mixer.fc1_latent_proj.weight", c->latent, H), 0, c->latent, 0, H);
+                L->lat_out = mat_view(T2("mixer.fc2_latent_proj.weight", H, c->latent), 0, H, 0, c->latent);
+            }
         }
     }
 #undef T2
@@ -1276,6 +1521,7 @@ static void free_weights(Weights *w, const Config *c) {
     for (int l = 0; l < c->n_layers; l++) {
         Layer *L = &w->layer[l];
         free(L->norm); free(L->conv_w); free(L->conv_b); free(L->A); free(L->D); free(L->dt_bias); free(L->gnorm);
+        free(L->gate); free(L->gate_bias); free(L->eup); free(L->edown);
     }
 }
 
@@ -1954,16 +2200,38 @@ typedef struct {
     const char *pattern;
 } Preset;
 
+/* The experts of the presets with MoE layers (their routers: one group, weights normalised). */
+typedef struct {
+    const char *name;
+    int n_experts, top_k, moe, shared, latent;
+    float routed_scale;
+} MoePreset;
+
+/* Shapes from the published config.json files (Megatron-Bridge's nemotron_h_provider.py agrees). */
 #define NH8B_PATTERN "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 static const Preset presets[] = {
     {"nemotron-h-8b", 4096, 32, 8, 128, 21504, 128, 64, 8, 128, 131072, 8192, NH8B_PATTERN},
     {"nemotron-h-4b", 3072, 32, 8, 128, 12288, 112, 64, 8, 128, 131072, 8192, NH8B_PATTERN},
+    {"nemotron-h-47b", 8192, 64, 8, 128, 30720, 256, 64, 8, 256, 131072, 8192,
+     "M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-M-M---MM---M-M*-M-M-M-M-M-"},
     {"nemotron-h-56b", 8192, 64, 8, 128, 32768, 256, 64, 8, 256, 131072, 8192,
      "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-"
      "M-M-M-M-M*-M-M-M-M-M-"},
     {"nemotron-nano-9b-v2", 4480, 40, 8, 128, 15680, 128, 80, 8, 128, 131072, 131072,
      "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"},
+    {"nemotron-nano-12b-v2", 5120, 40, 8, 128, 20480, 128, 80, 8, 128, 131072, 131072,
+     "M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M-"},
+    {"nemotron-3-nano-4b", 3136, 40, 8, 128, 12544, 96, 80, 8, 128, 131072, 262144,
+     "M-M-M-MM-M-M*-M-M*-M-M-M*-M-M-MM*-MMM-M-M-"},
+    {"nemotron-3-nano-30b-a3b", 2688, 32, 2, 128, 0, 64, 64, 8, 128, 131072, 262144,
+     "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"},
+    {"nemotron-3-super-120b-a12b", 4096, 32, 2, 128, 0, 128, 64, 8, 128, 131072, 262144,
+     "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME"},
     {"synthetic-100m", 768, 6, 2, 128, 3072, 24, 64, 8, 128, 32768, 4096, "M-M-M*-M-M-M*-"},
+};
+static const MoePreset moe_presets[] = {
+    {"nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 0, 2.5f},
+    {"nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 1024, 5.0f},
 };
 
 static const Preset *find_preset(const char *name) {
@@ -1983,17 +2251,23 @@ static void preset_config(Config *c, const Preset *p) {
     c->n_heads = p->n_heads; c->n_kv = p->n_kv; c->head_dim = p->head_dim; c->mlp = p->mlp;
     c->m_heads = p->m_heads; c->m_hdim = p->m_hdim; c->n_groups = p->n_groups; c->d_state = p->d_state;
     c->d_conv = 4; c->conv_bias = 1; c->eos[0] = 2; c->n_eos = 1;
+    for (size_t i = 0; i < sizeof moe_presets / sizeof moe_presets[0]; i++) {
+        const MoePreset *m = &moe_presets[i];
+        if (strcmp(m->name, p->name)) continue;
+        c->n_experts = m->n_experts; c->top_k = m->top_k; c->moe = m->moe; c->shared = m->shared; c->latent = m->latent;
+        c->n_group = c->topk_group = 1; c->norm_topk = 1; c->routed_scale = m->routed_scale;
+    }
 }
 
 enum { W_MAT, W_ONE, W_ALOG, W_DTB, W_CONV, W_BIAS };  /* how a synthetic tensor is drawn */
 
-/* Adds one synthetic tensor: bf16 matrices uniform with std fan_in^-0.5, fp32 vectors as a trained
- * model has them (norms near 1, A in [-16, -1], dt = softplus(dt_bias) log-uniform in [1e-3, 0.1]). */
+/* Adds one synthetic tensor: matrices uniform with std fan_in^-0.5, fp32 vectors as a trained model
+ * has them (norms near 1, A in [-16, -1], dt = softplus(dt_bias) log-uniform in [1e-3, 0.1]). */
 static void add_random(Checkpoint *ck, const char *name, int dtype, long d0, long d1, int what, uint64_t seed, int host) {
     Tensor *t = ck_add(ck);
     size_t numel = (size_t)d0 * (size_t)(d1 ? d1 : 1);
     *t = (Tensor){strdup(name), dtype, d1 ? 2 : 1, {d0, d1}, NULL, ck->dir};
-    if (what == W_MAT && !host) return;  /* data NULL: the GPU backend draws the matrix on the device */
+    if (what == W_MAT && dtype == DT_BF16 && !host) return;  /* data NULL: the GPU backend draws it on the device */
     void *buf = xmalloc(numel * (size_t)dtype_size[dtype]);
     float a = d1 ? sqrtf(3.0f / (float)d1) : 0;
     for (size_t k = 0; k < numel; k++) {
@@ -2014,8 +2288,9 @@ static void add_random(Checkpoint *ck, const char *name, int dtype, long d0, lon
     t->data = buf;
 }
 
-/* A checkpoint held in memory with every tensor the config names; with host 0 the matrices are left
- * for the GPU backend to draw (an 8B model's 16 GB is quicker made on the device). */
+/* A checkpoint held in memory with every tensor the config names, in NVIDIA's layout (one tensor per
+ * expert); with host 0 the bf16 matrices are left for the GPU backend to draw (an 8B model's 16 GB is
+ * quicker made on the device). The fp32 router weight is always drawn here: the host reads it. */
 static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t seed, int host) {
     memset(ck, 0, sizeof *ck);
     ck->dir = "(random)";
@@ -2043,12 +2318,30 @@ static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t se
             ADD("mixer.k_proj.weight", DT_BF16, kv, H, W_MAT);
             ADD("mixer.v_proj.weight", DT_BF16, kv, H, W_MAT);
             ADD("mixer.o_proj.weight", DT_BF16, H, q, W_MAT);
-        } else {
+        } else if (c->kind[l] == '-') {
             ADD("mixer.up_proj.weight", DT_BF16, c->mlp, H, W_MAT);
             ADD("mixer.down_proj.weight", DT_BF16, H, c->mlp, W_MAT);
+        } else {
+            int d = c->latent ? c->latent : H;
+            char f[64];
+            ADD("mixer.gate.weight", DT_F32, c->n_experts, H, W_MAT);
+            ADD("mixer.gate.e_score_correction_bias", DT_F32, c->n_experts, 0, W_BIAS);
+            for (int e = 0; e < c->n_experts; e++) {
+                snprintf(f, sizeof f, "mixer.experts.%d.up_proj.weight", e);
+                ADD(f, DT_BF16, c->moe, d, W_MAT);
+                snprintf(f, sizeof f, "mixer.experts.%d.down_proj.weight", e);
+                ADD(f, DT_BF16, d, c->moe, W_MAT);
+            }
+            ADD("mixer.shared_experts.up_proj.weight", DT_BF16, c->shared, H, W_MAT);
+            ADD("mixer.shared_experts.down_proj.weight", DT_BF16, H, c->shared, W_MAT);
+            if (c->latent) {
+                ADD("mixer.fc1_latent_proj.weight", DT_BF16, c->latent, H, W_MAT);
+                ADD("mixer.fc2_latent_proj.weight", DT_BF16, H, c->latent, W_MAT);
+            }
         }
 #undef ADD
     }
+    st_sort(ck);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -2115,7 +2408,8 @@ static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOp
 }
 
 /* Bytes one decode step moves through memory on one rank: every weight matrix once (one row of the
- * embedding), the Mamba conv and SSM state read and written, the KV cache read up to pos. */
+ * embedding; of the routed experts only the top_k a token chooses, with the router, the shared expert
+ * and the latent projections), the Mamba conv and SSM state read and written, the KV cache read up to pos. */
 static double decode_bytes(const Rank *r, int pos, int gpu) {
     const Config *c = r->c;
     const Shard *s = &r->s;
@@ -2129,8 +2423,11 @@ static double decode_bytes(const Rank *r, int pos, int gpu) {
                  2.0 * 4 * ((double)s->d_inner * c->d_state + (double)s->conv * (c->d_conv - 1));
         else if (L->kind == '*')
             b += MB(L->wq, (s->q + 2 * s->kv) * c->head_dim) + MB(L->wo, c->hidden) + 2.0 * 4 * pos * s->kv * c->head_dim;
-        else
+        else if (L->kind == '-')
             b += MB(L->up, s->mlp) + MB(L->down, c->hidden);
+        else
+            b += 4.0 * c->n_experts * c->hidden + c->top_k * (MB(L->eup[0], s->moe) + MB(L->edown[0], L->edown[0].rows)) +
+                 MB(L->sup, s->shared) + MB(L->sdown, c->hidden) + (c->latent ? MB(L->lat_in, c->latent) + MB(L->lat_out, c->hidden) : 0);
     }
 #undef MB
     return b;
@@ -2180,7 +2477,8 @@ static void bench(Engine *e, const char *model, int prompt_len, int n, int gpu) 
     printf("| model | %s |\n| tensor parallel | %d rank%s, %s |\n", model, e->n, e->n > 1 ? "s" : "", path);
     printf("| prefill | %d tokens in %.3f s: %.0f tok/s |\n", prompt_len, st.prefill_s, prompt_len / st.prefill_s);
     printf("| decode | %d tokens: %.3f ms/token, %.1f tok/s |\n", st.made, ms, ms > 0 ? 1e3 / ms : 0);
-    printf("| bytes per decoded token | %.3f GB per rank (weights, Mamba state read + write, KV cache) |\n", bytes / 1e9);
+    printf("| bytes per decoded token | %.3f GB per rank (weights%s, Mamba state read + write, KV cache) |\n", bytes / 1e9,
+           has_kind(&e->c, 'E') ? " with the chosen routed experts only" : "");
     printf("| achieved | %.0f GB/s per rank, %.1f%% of the copy bandwidth |\n", gbps, copy > 0 ? 100 * gbps / copy : 0);
     if (gpu) printf("| GPU memory in use | %.2f GB (largest rank) |\n", used / 1e9);
     free(prompt);
@@ -2207,7 +2505,9 @@ static void usage(void) {
           "  --chunk N          prompt tokens per forward step (default 2048 on a GPU, 128 on the CPU)\n"
           "  --no-graph         run decode steps eagerly instead of replaying a CUDA graph\n"
           "  --random PRESET    random weights at a published shape (no files needed):\n"
-          "                     nemotron-h-8b, nemotron-h-4b, nemotron-h-56b, nemotron-nano-9b-v2, synthetic-100m\n"
+          "                     nemotron-h-4b, nemotron-h-8b, nemotron-h-47b, nemotron-h-56b, nemotron-nano-9b-v2,\n"
+          "                     nemotron-nano-12b-v2, nemotron-3-nano-4b, nemotron-3-nano-30b-a3b (MoE),\n"
+          "                     nemotron-3-super-120b-a12b (latent MoE), synthetic-100m\n"
           "  --bench            time a prompt of -P tokens (default 512) and -n decoded tokens; print a table\n"
           "  -P N               prompt length for --bench\n"
           "  --bench-allreduce  time the fused all-reduce + add + RMSNorm against ncclAllReduce + add + RMSNorm\n"
@@ -2348,15 +2648,23 @@ int main(int argc, char **argv) {
     }
     o.tok = print_ids ? NULL : tok;
 
+    const Backend *be = &cpu_backend;
+#ifdef NEMOH_CUDA
+    if (gpus) be = &cuda_backend;
+#endif
     double t0 = now_s();
     Engine e = {0};
     Checkpoint ck;
+    int n_mtp = 0;
+    if (preset) preset_config(&e.c, find_preset(preset));
+    else config_load(&e.c, dir);
+    if (has_kind(&e.c, 'E') && !be->moe)
+        die("%s: the %s backend does not run mixture-of-experts layers yet; run it with --cpu", preset ? preset : dir, be->name);
     if (preset) {
-        preset_config(&e.c, find_preset(preset));
         build_random_checkpoint(&ck, &e.c, 1234, gpus == 0);
     } else {
-        config_load(&e.c, dir);
         build_checkpoint(&ck, dir);
+        n_mtp = st_check_extra(&ck, &e.c);
     }
     if (ctx == 0) ctx = e.c.ctx;
     check_tp(&e.c, tp);
@@ -2368,10 +2676,6 @@ int main(int argc, char **argv) {
     if (n_prompt > ctx) die("the prompt has %d tokens, more than the context of %d (-c)", n_prompt, ctx);
     if (dump_path && !(o.dump = fopen(dump_path, "wb"))) die("--dump-logits %s: cannot open for writing", dump_path);
 
-    const Backend *be = &cpu_backend;
-#ifdef NEMOH_CUDA
-    if (gpus) be = &cuda_backend;
-#endif
     int t_max = chunk ? chunk : gpus ? 2048 : 128;
     if (t_max > ctx) t_max = ctx;
     cpu_threads = (int)sysconf(_SC_NPROCESSORS_ONLN) / tp;
@@ -2379,6 +2683,7 @@ int main(int argc, char **argv) {
     build_engine(&e, &ck, be, tp, t_max, ctx, fuse, o.dump ? t_max : 1, graph);
     fprintf(stderr, "nemoh: loaded %s in %.2f s (backend %s, %d rank%s, seed %llu)\n", preset ? preset : dir, now_s() - t0,
             be->name, tp, tp > 1 ? "s" : "", (unsigned long long)o.seed);
+    if (n_mtp) fprintf(stderr, "nemoh: %d mtp.* tensors (multi-token prediction heads) are not used\n", n_mtp);
     if (do_bench) {
         bench(&e, preset ? preset : dir, P, n_set ? o.n : 256, gpus > 0);
     } else {

@@ -77,7 +77,7 @@ typedef struct {
 } Mat;
 
 typedef struct {
-    char kind;                  /* 'M', '*' or '-' */
+    char kind;                  /* 'M', '*', '-' or 'E' */
     float *norm;                /* [hidden] fp32 pre-mixer RMSNorm weight */
     /* Mamba2 (kind 'M') */
     Mat in_proj[5];             /* in_proj row slices, local: z [d_inner], x [d_inner], B [groups*N],
@@ -144,6 +144,8 @@ typedef struct {
     void (*logits)(Rank *r, int T, int all);            /* last (or every) row's logits, gathered */
     int (*sample)(Rank *r, float temp, float topp, uint64_t seed, uint64_t step);
     const float *(*host_logits)(Rank *r, int rows);     /* the logits rows, readable on the host */
+    void (*moe)(Rank *r, int l, int T);                 /* routed + shared experts' partial sums; NULL:
+                                                           this backend has no mixture-of-experts layers */
 } Backend;
 
 struct Rank {
@@ -179,7 +181,7 @@ int cuda_bench_allreduce(int n, int hidden);    /* --bench-allreduce; returns th
  * Small math shared by host and device
  * ---------------------------------------------------------------------------------------------- */
 
-/* 1 if some layer of the model is of kind k ('M', '*' or '-'). */
+/* 1 if some layer of the model is of kind k ('M', '*', '-' or 'E'). */
 static inline int has_kind(const Config *c, char k) { return memchr(c->kind, k, (size_t)c->n_layers) != NULL; }
 
 /* Stored elements to fp32: bf16 is the top half of an fp32; f16 is widened by its fields. */
