@@ -1061,17 +1061,22 @@ static void config_moe(Config *c, const Json *root, const char *path) {
     const Json *norm = json_get(root, "norm_topk_prob"), *scale = json_get(root, "routed_scaling_factor");
     if (norm && norm->type != J_BOOL) die("%s: norm_topk_prob must be true or false", path);
     c->norm_topk = norm ? norm->num != 0 : 1;  /* transformers' default */
-    if (scale && (scale->type != J_NUM || !(fabs(scale->num) < 1e6))) die("%s: routed_scaling_factor must be a number", path);
+    if (scale && (scale->type != J_NUM || !(fabs(scale->num) < 1e6)))
+        die("%s: routed_scaling_factor must be a number", path);
     c->routed_scale = scale ? (float)scale->num : 1.0f;
-    if (!c->n_experts || !c->moe || !c->shared) die("%s: n_routed_experts, moe_intermediate_size and moe_shared_expert_intermediate_size must be positive", path);
+    if (!c->n_experts || !c->moe || !c->shared)
+        die("%s: n_routed_experts, moe_intermediate_size, moe_shared_expert_intermediate_size must be positive", path);
     if (c->top_k < 1 || c->top_k > c->n_experts)
         die("%s: num_experts_per_tok = %d must be from 1 to n_routed_experts = %d", path, c->top_k, c->n_experts);
-    if (c->n_group < 1 || c->n_experts % c->n_group) die("%s: n_group = %d must divide n_routed_experts = %d", path, c->n_group, c->n_experts);
-    if (c->topk_group < 1 || c->topk_group > c->n_group) die("%s: topk_group = %d must be from 1 to n_group = %d", path, c->topk_group, c->n_group);
+    if (c->n_group < 1 || c->n_experts % c->n_group)
+        die("%s: n_group = %d must divide n_routed_experts = %d", path, c->n_group, c->n_experts);
+    if (c->topk_group < 1 || c->topk_group > c->n_group)
+        die("%s: topk_group = %d must be from 1 to n_group = %d", path, c->topk_group, c->n_group);
     int per = c->n_experts / c->n_group;
-    if (c->n_group > 1 && per < 2) die("%s: with n_group > 1 every group needs 2 experts (a group scores by its top two)", path);
+    if (c->n_group > 1 && per < 2) die("%s: with n_group > 1 every group needs 2 experts (it scores by its top two)", path);
     if (c->top_k > c->topk_group * per)
-        die("%s: num_experts_per_tok = %d is more than the %d experts of topk_group = %d groups", path, c->top_k, c->topk_group * per, c->topk_group);
+        die("%s: num_experts_per_tok = %d is more than the %d experts of topk_group = %d groups", path, c->top_k,
+            c->topk_group * per, c->topk_group);
     cfg_act(root, path, "mlp_hidden_act", "relu2");
     cfg_require(root, path, "mlp_bias", 0);
 }

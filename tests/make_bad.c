@@ -1,6 +1,7 @@
 /* make_bad: writes broken variants of a good single-file checkpoint, one directory per case, for the
  * bad-input tests in test.sh. Each directory gets a file `expect` holding a phrase nemoh's one-line
- * error must contain. Every case differs from the good model in one thing only.
+ * error must contain. Every case differs from the good model in one thing only. A good model with
+ * mixture-of-experts layers (n_routed_experts in its config) gets the MoE cases instead.
  *   make_bad GOOD_DIR OUT_DIR        (GOOD_DIR: config.json + model.safetensors) */
 #include <stdint.h>
 #include <stdio.h>
@@ -61,6 +62,62 @@ static void emit(const char *name, const char *expect, const char *config, const
     free(file);
 }
 
+/* The integer value of `"key": N` in the good config. */
+static long config_int(const char *key) {
+    char pat[128];
+    snprintf(pat, sizeof pat, "\"%s\": ", key);
+    const char *at = strstr(good_config, pat);
+    if (!at) { fprintf(stderr, "make_bad: %s not in the config\n", key); exit(2); }
+    return strtol(at + strlen(pat), NULL, 10);
+}
+
+/* The good config with `"key": N` set to v. */
+static char *config_set(const char *key, long v) {
+    char from[128], to[128];
+    snprintf(from, sizeof from, "\"%s\": %ld", key, config_int(key));
+    snprintf(to, sizeof to, "\"%s\": %ld", key, v);
+    return replace(good_config, from, to);
+}
+
+/* The header with the first tensor whose name ends in `suffix` one element shorter (shape and bytes). */
+static char *shorten(const char *suffix) {
+    char key[128];
+    snprintf(key, sizeof key, "%s\":{\"dtype\":\"", suffix);
+    const char *at = strstr(header, key);
+    if (!at) { fprintf(stderr, "make_bad: no tensor ending in %s\n", suffix); exit(2); }
+    int size = at[strlen(key)] == 'F' && at[strlen(key) + 1] == '3' ? 4 : 2;
+    const char *sh = strstr(at, "\"shape\":["), *off = strstr(at, "\"data_offsets\":[");
+    long n = strtol(sh + 9, NULL, 10);
+    unsigned long long b = strtoull(off + 16, NULL, 10), e = strtoull(strchr(off + 16, ',') + 1, NULL, 10);
+    char *out = malloc(strlen(header) + 64);
+    snprintf(out, strlen(header) + 64, "%.*s\"shape\":[%ld],\"data_offsets\":[%llu,%llu]%s", (int)(sh - header), header, n - 1,
+             b, e - size, strchr(off, ']') + 1);
+    return out;
+}
+
+/* Broken variants of a good MoE model: the router, the experts, their count and shapes, the latent
+ * projections. Written for one file of transformers' stacked experts or NVIDIA's one per expert. */
+static void moe_cases(void) {
+    long E = config_int("n_routed_experts");
+    int stacked = strstr(header, "mixer.experts.up_proj\"") != NULL;
+    char to[160];
+    emit("good", "", good_config, header, 0, 0);  /* the control: must load */
+    emit("moe-no-gate", "mixer.gate.weight not found", good_config, replace(header, "mixer.gate.weight\"", "mixer.gatf.weight\""), 0, 0);
+    emit("moe-no-experts", "mixer.experts.0.up_proj.weight not found", good_config,
+         replace(header, stacked ? "mixer.experts.up_proj\"" : "mixer.experts.0.up_proj.weight\"",
+                 stacked ? "mixer.expertz.up_proj\"" : "mixer.expertz.0.up_proj.weight\""), 0, 0);
+    snprintf(to, sizeof to, "mixer.experts.%ld.up_proj.weight\"", E);  /* the same bytes, named as one expert too many */
+    emit("moe-extra-expert", "but n_routed_experts is", good_config,
+         replace(header, stacked ? "mixer.experts.up_proj\"" : "mixer.experts.0.up_proj.weight\"", to), 0, 0);
+    emit("moe-expert-shape", "config implies", config_set("moe_intermediate_size", config_int("moe_intermediate_size") + 4), header, 0, 0);
+    emit("moe-top-k", "num_experts_per_tok", config_set("num_experts_per_tok", E + 1), header, 0, 0);
+    emit("moe-n-group", "must divide n_routed_experts", config_set("n_group", E + 1), header, 0, 0);
+    emit("moe-bias-length", "e_score_correction_bias has shape", good_config, shorten("mixer.gate.e_score_correction_bias"), 0, 0);
+    if (strstr(header, "fc1_latent_proj.weight\""))
+        emit("moe-no-latent-proj", "fc1_latent_proj.weight not found", good_config,
+             replace(header, "fc1_latent_proj.weight\"", "fc1_latent_prox.weight\""), 0, 0);
+}
+
 /* The data_offsets numbers of the k-th tensor in the header. */
 static void offsets(int k, unsigned long long *b, unsigned long long *e) {
     const char *p = header;
@@ -92,6 +149,10 @@ int main(int argc, char **argv) {
     data = st + 8 + hl;
     data_len = n - 8 - hl;
 
+    if (strstr(good_config, "\"n_routed_experts\"")) {
+        moe_cases();
+        return 0;
+    }
     emit("good", "", good_config, header, 0, 0);  /* the control: must load */
     /* accepted too: older NVIDIA checkpoints name the embedding backbone.embedding.weight */
     emit("good-embedding-name", "", good_config, replace(header, "\"backbone.embeddings.weight\"", "\"backbone.embedding.weight\""), 0, 0);
@@ -99,7 +160,7 @@ int main(int argc, char **argv) {
     emit("no-config", "config.json: cannot open", NULL, header, 0, 0);
     emit("missing-key", "missing key hidden_size", replace(good_config, "\"hidden_size\"", "\"hidden_size_x\""), header, 0, 0);
     emit("unknown-block", "unknown block type", replace(good_config, "\"-M-M*", "\"-M-X*"), header, 0, 0);
-    emit("moe", "mixture-of-experts", replace(good_config, "\"-M-M*", "\"-M-E*"), header, 0, 0);
+    emit("moe-keys", "missing key n_routed_experts", replace(good_config, "\"-M-M*", "\"-M-E*"), header, 0, 0);
     emit("bad-config-json", "malformed JSON", replace(good_config, "\"hidden_size\":", "\"hidden_size\" "), header, 0, 0);
     emit("shape", "config implies", replace(good_config, "\"hidden_size\": 80", "\"hidden_size\": 88"), header, 0, 0);
     emit("truncated", "outside the file", good_config, header, 0, 8 + strlen(header) + data_len / 2);
