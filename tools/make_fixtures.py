@@ -214,9 +214,10 @@ def component_checks(model, f, seq, ref):
         model.load_state_dict(saved)
         return d
     def delta_attr(attr, fn):
-        """The MoE layers run with one routing setting changed (on the MoE module or its router, wherever
-        this transformers keeps it)."""
-        saved = [(o, getattr(o, attr)) for mx in moe_mixers(model) for o in (mx, mx.gate) if hasattr(o, attr)]
+        """The MoE layers run with one routing setting changed (on the config, the MoE modules and their
+        routers: wherever this transformers reads it)."""
+        objs = [model.config] + [o for mx in moe_mixers(model) for o in (mx, mx.gate)]
+        saved = [(o, getattr(o, attr)) for o in objs if hasattr(o, attr)]
         if not saved:
             raise SystemExit(f"no MoE module or router has the attribute {attr}")
         for o, v in saved:
