@@ -87,6 +87,14 @@ for f in tiny-f32 tiny-moe-latent-f32; do
     check "asan $f --tp 4: logits within 1e-5 of --tp 1" "$T/compare_logits" "$T/asan-$f-tp4.bin" "$T/cpu $f.bin" 1e-5
 done
 
+# ---- the MoE router: grouped biased top-k and its ties against a float64 reference ----
+for san in "" "-fsanitize=address,undefined -fno-sanitize-recover=all"; do
+    tag=$([ -z "$san" ] && echo cpu || echo asan)
+    if out=$(cc -std=c11 -O1 -g $san -o "$T/test_router" tests/test_router.c -lm -lpthread 2>&1 && "$T/test_router" 2>&1); then
+        pass "$tag MoE router against a float64 reference ($(tail -1 <<< "$out"))"
+    else fail "$tag MoE router against a float64 reference" "$(grep -v '^ok' <<< "$out" | tail -20)"; fi
+done
+
 # ---- MoE checkpoints: NVIDIA's mtp.* heads are named once as unused, not refused ----
 n=$(grep -c 'mtp\.\* tensors (multi-token prediction heads) are not used' "$T/cpu tiny-moe-bf16.bin.err")
 same "tiny-moe-bf16: its mtp.* tensors named once on stderr as unused" "$n" 1
