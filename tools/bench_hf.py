@@ -13,15 +13,27 @@ PRESETS = {  # the same shapes as nemoh.c's preset table
                           intermediate_size=21504, mamba_num_heads=128, mamba_head_dim=64, n_groups=8,
                           ssm_state_size=128, vocab_size=131072,
                           hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"),
+    "nemotron-nano-9b-v2": dict(hidden_size=4480, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                                intermediate_size=15680, mamba_num_heads=128, mamba_head_dim=80, n_groups=8,
+                                ssm_state_size=128, vocab_size=131072,
+                                hybrid_override_pattern="M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"),
+    "nemotron-3-nano-30b-a3b": dict(hidden_size=2688, num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+                                    intermediate_size=1856, mamba_num_heads=64, mamba_head_dim=64, n_groups=8,
+                                    ssm_state_size=128, vocab_size=131072, n_routed_experts=128,
+                                    num_experts_per_tok=6, moe_intermediate_size=1856, n_shared_experts=1,
+                                    moe_shared_expert_intermediate_size=3712, routed_scaling_factor=2.5,
+                                    n_group=1, topk_group=1, norm_topk_prob=True,
+                                    hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"),
 }
 name = sys.argv[1] if len(sys.argv) > 1 else "nemotron-h-8b"
 P = int(sys.argv[2]) if len(sys.argv) > 2 else 512
 N = int(sys.argv[3]) if len(sys.argv) > 3 else 256
-cfg = NemotronHConfig(**PRESETS[name], conv_kernel=4, chunk_size=128, max_position_embeddings=8192,
+cfg = NemotronHConfig(**PRESETS[name], conv_kernel=4, chunk_size=128, max_position_embeddings=max(8192, P + N),
                       use_mamba_kernels=False, tie_word_embeddings=False, layer_norm_epsilon=1e-5)
 torch.manual_seed(0)
+torch.set_default_dtype(torch.bfloat16)  # built in bf16 directly: a 30B model in fp32 would not fit
 with torch.device("cuda"):
-    model = NemotronHForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = NemotronHForCausalLM(cfg).eval()
 prompt = torch.randint(3, cfg.vocab_size, (1, P), device="cuda")
 
 
