@@ -120,7 +120,6 @@ typedef struct {
     float *xbc;                 /* [t_max, conv] conv1d + SiLU output */
     float *y;                   /* [t_max, y_w] mixer output before its out projection */
     bf16 *act16;                /* [t_max, act_w] bf16 copy of a GEMM input */
-    float *scores;              /* [t_max, ctx] attention scores of one head (prefill) */
     float *part;                /* [q, splits, head_dim + 2] decode attention partials */
     float *gss;                 /* [m_heads, scan blocks a head] decode: each scan block's sum of u^2 */
     float *logits_local;        /* [logit_rows, vocab / n] */
@@ -797,24 +796,236 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(float *y, const float
     }
 }
 
-/* Prefill: scores row t (queries pos+t) -> causal softmax over keys 0..pos+t, zero beyond. */
-__global__ void softmax_causal_kernel(float *S, int n_keys, const int *pos) {
+/* ------------------------------------------------------------------------------------------------
+ * Kernels: prompt attention, flash attention on the tensor cores (no score matrix in memory)
+ * ---------------------------------------------------------------------------------------------- */
+
+/* A prompt chunk of T tokens at positions pos .. pos+T-1 attends to the cache's keys 0 .. pos+t (its own
+ * keys appended first). A block takes FA_ROWS query rows of one kv head: row r is token r / gl, local
+ * query head kvh * gl + r % gl, so the gl heads of a GQA group share every K and V tile the block loads.
+ * It walks the keys FA_KEYS at a time: S = Q K^T and O += P V as mma.sync m16n8k16 (bf16 operands, fp32
+ * accumulators), with an online softmax in fp32 between them (scores scaled by log2(e) / sqrt(head_dim),
+ * so exp2 serves). A warp owns 16 rows; its S tile never leaves registers: its accumulators are, in
+ * the same lane order, the A operand of P V. Head dimensions are zero-padded to HD (a multiple of 16);
+ * keys past the last one are zero rows, and a key after a row's own position is masked (-inf) only in
+ * the tiles that cross the block's first position. Blocks of the last rows (the most keys) start first. */
+enum { FA_ROWS = 64, FA_KEYS = 64, FA_THREADS = 128 };
+
+__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+/* Four 8x8 bf16 matrices from shared memory (lane l gives row l % 8 of matrix l / 8), optionally transposed. */
+template <bool TRANS> __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16 *p) {
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+
+/* d[16x8] += a[16x16] b[16x8], bf16 operands, fp32 accumulators */
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *(uint32_t *)&v;
+}
+
+/* Eight elements src[0 .. 7] as bf16, those at n and beyond zero; vec: all eight present and src
+ * 16-byte aligned, one or two vector loads. */
+__device__ __forceinline__ uint4 load8_bf16(const float *src, int n, bool vec) {
+    float f[8];
+    if (vec) {
+        float4 a = *(const float4 *)src, b = *(const float4 *)(src + 4);
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+    } else {
+        for (int i = 0; i < 8; i++) f[i] = i < n ? src[i] : 0.0f;
+    }
+    return make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
+}
+__device__ __forceinline__ uint4 load8_bf16(const bf16 *src, int n, bool vec) {
+    if (vec) return *(const uint4 *)src;
+    uint16_t h[8];
+    for (int i = 0; i < 8; i++) h[i] = i < n ? __bfloat16_as_ushort(src[i]) : 0;
+    return make_uint4(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16, h[4] | (uint32_t)h[5] << 16, h[6] | (uint32_t)h[7] << 16);
+}
+
+/* y[t][h] = sum_j softmax_j(q[t][h] . k_j / sqrt(hd)) v_j over keys j <= pos + t (see above). KT: the
+ * cache's element type. Shared memory: Q, K, V tiles of 64 rows of HD + 8 bf16 (the 16-byte pad puts
+ * the 8 rows an ldmatrix reads in different banks). */
+template <int HD, typename KT>
+__global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(float *y, int ldy, const float *q, int ldq, const KT *kc,
+                                                               const KT *vc, int kw, int hd, int gl, int T, int pos,
+                                                               float scale_log2) {
+    constexpr int LDS = HD + 8, NT = FA_KEYS / 8, DT = HD / 8;
+    extern __shared__ uint4 fa_sm[];
+    bf16 *Qs = (bf16 *)fa_sm, *Ks = Qs + FA_ROWS * LDS, *Vs = Ks + FA_KEYS * LDS;
+    int kvh = blockIdx.y, r0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    int t_first = r0 / gl, t_last = min(T - 1, (r0 + FA_ROWS - 1) / gl), n_keys = pos + t_last + 1;
+    bool vec = hd % 8 == 0;   /* rows of whole 16-byte pieces (and 32-byte ones of fp32): vector loads */
     pdl_wait();
-    float *row = S + (size_t)blockIdx.x * n_keys;
-    int n = *pos + blockIdx.x + 1;
-    float m = -INFINITY;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, row[j]);
-    __shared__ float red[32];
-    m = warp_max(m);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    for (int i = threadIdx.x; i < FA_ROWS * DT; i += FA_THREADS) {   /* Q rows; past the last token, zeros */
+        int r = i / DT, d = i % DT * 8, t = (r0 + r) / gl, h = kvh * gl + (r0 + r) % gl;
+        uint4 v = t < T ? load8_bf16(q + (size_t)t * ldq + h * hd + d, hd - d, vec && d < hd) : make_uint4(0, 0, 0, 0);
+        *(uint4 *)&Qs[r * LDS + d] = v;
+    }
+    int ra = r0 + warp * 16 + g, rb = ra + 8;                         /* this lane's two rows */
+    int qa = pos + min(ra / gl, T - 1), qb = pos + min(rb / gl, T - 1);   /* their positions (past T: the last) */
+    float o[DT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0, 0};
+    for (int j0 = 0; j0 < n_keys; j0 += FA_KEYS) {
+        __syncthreads();   /* the previous tile's reads are done */
+        for (int i = threadIdx.x; i < FA_KEYS * DT; i += FA_THREADS) {
+            int r = i / DT, d = i % DT * 8, j = j0 + r;
+            size_t at = (size_t)j * kw + kvh * hd + d;
+            bool in = j < n_keys;
+            *(uint4 *)&Ks[r * LDS + d] = in ? load8_bf16(kc + at, hd - d, vec && d < hd) : make_uint4(0, 0, 0, 0);
+            *(uint4 *)&Vs[r * LDS + d] = in ? load8_bf16(vc + at, hd - d, vec && d < hd) : make_uint4(0, 0, 0, 0);
+        }
+        __syncthreads();
+        /* S = Q K^T for this warp's 16 rows and the tile's keys */
+        float s[NT][4] = {};
+#pragma unroll
+        for (int k0 = 0; k0 < HD; k0 += 16) {
+            uint32_t a[4];
+            ldsm_x4<false>(a, &Qs[(warp * 16 + (lane & 15)) * LDS + k0 + (lane >> 4) * 8]);
+#pragma unroll
+            for (int n = 0; n < NT; n += 2) {
+                uint32_t b[4];
+                ldsm_x4<false>(b, &Ks[(n * 8 + (lane >> 4) * 8 + (lane & 7)) * LDS + k0 + (lane >> 3 & 1) * 8]);
+                mma_bf16(s[n], a, b[0], b[1]);
+                mma_bf16(s[n + 1], a, b[2], b[3]);
+            }
+        }
+        /* online softmax: m = running max (log2 units), l = running sum of this lane's terms */
+        bool full = j0 + FA_KEYS - 1 <= pos + t_first;   /* every row of the block sees every key of the tile */
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int j = j0 + n * 8 + 2 * c + (e & 1);
+                float v = s[n][e] * scale_log2;
+                if (!full && j > (e < 2 ? qa : qb)) v = -INFINITY;
+                s[n][e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+        float f[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {   /* a row's four lanes agree on its max; key 0 is in every row's first tile */
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            f[i] = exp2f(m[i] - mx[i]);
+            m[i] = mx[i];
+            l[i] *= f[i];
+        }
+#pragma unroll
+        for (int n = 0; n < NT; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                s[n][e] = exp2f(s[n][e] - m[e >> 1]);
+                l[e >> 1] += s[n][e];
+            }
+#pragma unroll
+        for (int d = 0; d < DT; d++) { o[d][0] *= f[0]; o[d][1] *= f[0]; o[d][2] *= f[1]; o[d][3] *= f[1]; }
+        /* O += P V: S tiles 2kk, 2kk+1 are the A operand of keys 16kk .. 16kk+15 */
+#pragma unroll
+        for (int kk = 0; kk < FA_KEYS / 16; kk++) {
+            uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+            for (int d = 0; d < DT; d += 2) {
+                uint32_t b[4];
+                ldsm_x4<true>(b, &Vs[(kk * 16 + (lane >> 3 & 1) * 8 + (lane & 7)) * LDS + d * 8 + (lane >> 4) * 8]);
+                mma_bf16(o[d], a, b[0], b[1]);
+                mma_bf16(o[d + 1], a, b[2], b[3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {   /* the row's sum over its four lanes */
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int r = i ? rb : ra, t = r / gl, h = kvh * gl + r % gl;
+        if (t >= T) continue;
+        float *out = y + (size_t)t * ldy + h * hd, inv = 1.0f / l[i];
+#pragma unroll
+        for (int d = 0; d < DT; d++) {
+            int col = d * 8 + 2 * c;
+            if (col < hd) out[col] = o[d][2 * i] * inv;
+            if (col + 1 < hd) out[col + 1] = o[d][2 * i + 1] * inv;
+        }
+    }
+}
+
+/* The same for fp32 checkpoints, in fp32 (their tests hold the GPU to 2e-4 of transformers): block
+ * (token t, query head h), warp w takes keys w, w + 4, ... with an online softmax, a lane holding
+ * NC = ceil(hd / 32) elements of a row; the four warps' (max, sum, acc) merge at the end. */
+template <int NC>
+__global__ void __launch_bounds__(128) attn_prompt_f32_kernel(float *y, int ldy, const float *q, int ldq, const float *kc,
+                                                             const float *vc, int kw, int hd, int gl, int pos, float scale) {
+    pdl_wait();
+    int t = blockIdx.x, h = blockIdx.y, kvh = h / gl, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = pos + t + 1;
+    const float *qh = q + (size_t)t * ldq + h * hd;
+    float qv[NC], acc[NC] = {}, m = -INFINITY, l = 0;
+#pragma unroll
+    for (int i = 0; i < NC; i++) qv[i] = lane + 32 * i < hd ? qh[lane + 32 * i] : 0.0f;
+    for (int j = warp; j < n; j += 4) {
+        const float *k = kc + (size_t)j * kw + kvh * hd, *v = vc + (size_t)j * kw + kvh * hd;
+        float d = 0;
+#pragma unroll
+        for (int i = 0; i < NC; i++) d += lane + 32 * i < hd ? qv[i] * k[lane + 32 * i] : 0.0f;
+        float sc = warp_sum(d) * scale, mn = fmaxf(m, sc), f = __expf(m - mn), e = __expf(sc - mn);
+        l = l * f + e;
+#pragma unroll
+        for (int i = 0; i < NC; i++) acc[i] = acc[i] * f + (lane + 32 * i < hd ? e * v[lane + 32 * i] : 0.0f);
+        m = mn;
+    }
+    __shared__ float sm[4], sl[4], sacc[4][256];
+    if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+#pragma unroll
+    for (int i = 0; i < NC; i++) if (lane + 32 * i < hd) sacc[warp][lane + 32 * i] = acc[i];
     __syncthreads();
-    m = red[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); w++) m = fmaxf(m, red[w]);
-    __syncthreads();
-    float sum = 0;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) { float e = __expf(row[j] - m); row[j] = e; sum += e; }
-    float inv = 1.0f / block_sum(sum);
-    for (int j = threadIdx.x; j < n_keys; j += blockDim.x) row[j] = j < n ? row[j] * inv : 0.0f;
+    float M = fmaxf(fmaxf(sm[0], sm[1]), fmaxf(sm[2], sm[3])), L = 0;
+    for (int w = 0; w < 4; w++) if (sm[w] > -INFINITY) L += sl[w] * __expf(sm[w] - M);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float a = 0;
+        for (int w = 0; w < 4; w++) if (sm[w] > -INFINITY) a += sacc[w][i] * __expf(sm[w] - M);
+        y[(size_t)t * ldy + h * hd + i] = a / L;
+    }
+}
+
+/* Prompt attention for T tokens from pos over n_kv local kv heads of gl query heads each: the flash
+ * kernel on a bf16 path (bf16 weights), fp32 otherwise (see above). q: [T, ldq] rows, heads side by side. */
+template <int HD, typename KT> static void flash_attn_launch(cudaStream_t stream, float *y, int ldy, const float *q, int ldq,
+                                                            const KT *kc, const KT *vc, int kw, int hd, int gl, int n_kv,
+                                                            int T, int pos, float scale) {
+    size_t smem = (size_t)(FA_ROWS + 2 * FA_KEYS) * (HD + 8) * sizeof(bf16);
+    CUDA_CHECK(cudaFuncSetAttribute(flash_attn_kernel<HD, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    LAUNCH(dim3(cdiv((long)T * gl, FA_ROWS), n_kv), FA_THREADS, smem, stream, flash_attn_kernel<HD, KT>, y, ldy, q, ldq, kc, vc,
+           kw, hd, gl, T, pos, scale * 1.4426950408889634f);
+}
+
+template <typename KT> static void attn_prompt(cudaStream_t stream, int bf, float *y, int ldy, const float *q, int ldq,
+                                              const KT *kc, const KT *vc, int kw, int hd, int gl, int n_kv, int T, int pos,
+                                              float scale) {
+    if (!bf) {
+        auto k = hd <= 32 ? attn_prompt_f32_kernel<1> : hd <= 64 ? attn_prompt_f32_kernel<2> : hd <= 128 ? attn_prompt_f32_kernel<4> : attn_prompt_f32_kernel<8>;
+        LAUNCH(dim3(T, n_kv * gl), 128, 0, stream, k, y, ldy, q, ldq, (const float *)kc, (const float *)vc, kw, hd, gl, pos, scale);
+        return;
+    }
+    if (hd <= 32) flash_attn_launch<32>(stream, y, ldy, q, ldq, kc, vc, kw, hd, gl, n_kv, T, pos, scale);
+    else if (hd <= 64) flash_attn_launch<64>(stream, y, ldy, q, ldq, kc, vc, kw, hd, gl, n_kv, T, pos, scale);
+    else if (hd <= 96) flash_attn_launch<96>(stream, y, ldy, q, ldq, kc, vc, kw, hd, gl, n_kv, T, pos, scale);
+    else if (hd <= 128) flash_attn_launch<128>(stream, y, ldy, q, ldq, kc, vc, kw, hd, gl, n_kv, T, pos, scale);
+    else flash_attn_launch<256>(stream, y, ldy, q, ldq, kc, vc, kw, hd, gl, n_kv, T, pos, scale);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -1123,18 +1334,8 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
         attn_decode(g->stream, g->part, g->proj, L->k, L->v, g->pos, kw, hd, group, s->q, s->q0, s->kv0, scale, g->splits, L->o.w,
                     warm_bytes(&L->o));
         LAUNCH(s->q, 128, 0, g->stream, attn_combine_kernel, g->y, g->part, g->pos, hd, g->splits);
-    } else {
-        /* per head: S = scale Q K^T over keys 0..pos+T-1; causal softmax; O = S V (fp32 cuBLAS) */
-        int n_keys = pos + T;
-        const float one = 1.0f, zero = 0.0f;
-        for (int h = 0; h < s->q; h++) {
-            int kvh = (s->q0 + h) / group - s->kv0;
-            CUBLAS_CHECK(cublasSgemm(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, n_keys, T, hd, &scale, L->k + kvh * hd, kw,
-                                     g->proj + h * hd, w, &zero, g->scores, n_keys));
-            LAUNCH(T, 256, 0, g->stream, softmax_causal_kernel, g->scores, n_keys, g->pos);
-            CUBLAS_CHECK(cublasSgemm(g->blas, CUBLAS_OP_N, CUBLAS_OP_N, hd, T, n_keys, &one, L->v + kvh * hd, kw, g->scores,
-                                     n_keys, &zero, g->y + h * hd, qw));
-        }
+    } else {   /* local query heads k * gl .. (k + 1) * gl - 1 read local kv head k */
+        attn_prompt(g->stream, L->qkv.bf, g->y, qw, g->proj, w, L->k, L->v, kw, hd, s->q / s->kv, s->kv, T, pos, scale);
     }
     matmul(g, mixer_out(r), H, g->y, qw, T, &L->o, EPI_NONE, first_product(g, c, l + 1), NULL);
 }
@@ -1305,7 +1506,7 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g) {
         else
             b += mat_bytes(&L->up, s->mlp) + mat_bytes(&L->down, (int)H);
     }
-    b += T * H * f * 5 + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2 + T * (size_t)r->ctx * f;
+    b += T * H * f * 5 + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
     b += (size_t)SH((Rank *)r)->logit_rows * (c->vocab + s->vocab) * f + (64u << 20);  /* + cuBLAS workspace */
     return b;
 }
@@ -1404,7 +1605,6 @@ static void gpu_init(Rank *r) {
     g->xbc = zeros(T * (s->conv ? s->conv : 1));
     g->y = zeros(T * g->y_w);
     CUDA_CHECK(cudaMalloc(&g->act16, T * g->act_w * sizeof(bf16)));
-    g->scores = zeros(T * r->ctx);
     g->part = zeros((size_t)(s->q ? s->q : 1) * g->splits * (hd + 2));
     g->gss = zeros(s->m_heads ? (size_t)s->m_heads * scan_blocks(c->m_hdim, c->d_state) : 1);
     g->logits_local = zeros((size_t)sh->logit_rows * s->vocab);
@@ -1436,8 +1636,7 @@ static void gpu_free(Rank *r) {
                         D->o.w, D->up.w, D->down.w, D->conv_st, D->ssm, D->k, D->v};
         for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     }
-    void *ptrs[] = {g->embed, g->lm_head.w, g->norm_f, g->res, g->x, g->red, g->proj, g->xbc, g->y, g->act16, g->scores,
-                    g->part, g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
+    void *ptrs[] = {g->embed, g->lm_head.w, g->norm_f, g->res, g->x, g->red, g->proj, g->xbc, g->y, g->act16, g->part, g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     CUDA_CHECK(cudaFreeHost(g->host_logits));

@@ -291,21 +291,59 @@ static void test_attention(int q, int kv, int hd, int pos, int ctx) {
     expect(what, host_copy(d_y, ref.size()), ref, 1e-5);
     std::vector<double> kref(kc.begin(), kc.end());
     expect("kv cache append", host_copy(d_k, kc.size()), kref, 0);
-    /* prefill softmax: rows t see keys 0..pos+t */
-    int T = 5, nk = pos + T;
-    std::vector<float> S = rand_vec((size_t)T * nk, 4.0f);
-    float *d_S = dev_copy(S);
-    LAUNCH(T, 256, 0, 0, softmax_causal_kernel, d_S, nk, d_pos);
-    std::vector<double> sref((size_t)T * nk, 0.0);
-    for (int t = 0; t < T; t++) {
-        double m = -1e300, sum = 0;
-        for (int j = 0; j <= pos + t; j++) m = fmax(m, (double)S[(size_t)t * nk + j]);
-        for (int j = 0; j <= pos + t; j++) sum += exp(S[(size_t)t * nk + j] - m);
-        for (int j = 0; j <= pos + t; j++) sref[(size_t)t * nk + j] = exp(S[(size_t)t * nk + j] - m) / sum;
-    }
-    snprintf(what, sizeof what, "causal softmax, %d rows over %d keys", T, nk);
-    expect(what, host_copy(d_S, sref.size()), sref, 1e-6);
-    for (float *p : {d_k, d_v, d_qkv, d_y, d_part, d_S}) CUDA_CHECK(cudaFree(p));
+    for (float *p : {d_k, d_v, d_qkv, d_y, d_part}) CUDA_CHECK(cudaFree(p));
+    CUDA_CHECK(cudaFree(d_pos));
+}
+
+/* ---- prompt attention: a chunk of T tokens from position pos (the cache holds pos keys before it)
+ * appended, then attending causally; the bf16 flash kernel (against a reference on the same bf16
+ * operands; P also meets V in bf16, hence its looser tolerance) or the fp32 one. Queries are scaled
+ * up so that each row's softmax is peaked: a key masked wrongly, or a row mixed with another, moves
+ * the output by far more than the tolerance. Cache rows past the chunk and the output are NaN
+ * before the run: a read past the last key or a row not written shows. ---- */
+static void test_prompt_attention(int q, int kv, int hd, int pos, int T, int bf) {
+    int gl = q / kv, kw = kv * hd, w = q * hd + 2 * kw, ctx = pos + T + 70;
+    std::vector<float> kc = rand_vec((size_t)ctx * kw), vc = rand_vec((size_t)ctx * kw), qkv = rand_vec((size_t)T * w);
+    for (size_t i = (size_t)(pos + T) * kw; i < kc.size(); i++) kc[i] = vc[i] = NAN;
+    for (int t = 0; t < T; t++) for (int i = 0; i < q * hd; i++) qkv[(size_t)t * w + i] *= 6.0f;
+    float *d_k = dev_copy(kc), *d_v = dev_copy(vc), *d_qkv = dev_copy(qkv);
+    float *d_y = dev_copy(std::vector<float>((size_t)T * q * hd, NAN));
+    int *d_pos;
+    CUDA_CHECK(cudaMalloc(&d_pos, sizeof(int)));
+    CUDA_CHECK(cudaMemcpy(d_pos, &pos, sizeof(int), cudaMemcpyHostToDevice));
+    float scale = 1.0f / sqrtf((float)hd);
+    LAUNCH(T, 256, 0, 0, kv_append_kernel, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
+    attn_prompt(0, bf, d_y, q * hd, d_qkv, w, d_k, d_v, kw, hd, gl, kv, T, pos, scale);
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < kw; i++) {
+            kc[(size_t)(pos + t) * kw + i] = qkv[(size_t)t * w + q * hd + i];
+            vc[(size_t)(pos + t) * kw + i] = qkv[(size_t)t * w + q * hd + kw + i];
+        }
+    auto op = [&](float v) { return bf ? bf16_round(v) : v; };
+    std::vector<double> ref((size_t)T * q * hd);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < q; h++) {
+            int n = pos + t + 1, kh = h / gl;
+            std::vector<double> s(n);
+            double m = -1e300, sum = 0;
+            for (int j = 0; j < n; j++) {
+                double d = 0;
+                for (int i = 0; i < hd; i++) d += (double)op(qkv[(size_t)t * w + h * hd + i]) * op(kc[(size_t)j * kw + kh * hd + i]);
+                s[j] = d * scale;
+                m = fmax(m, s[j]);
+            }
+            for (int j = 0; j < n; j++) sum += s[j] = exp(s[j] - m);
+            for (int i = 0; i < hd; i++) {
+                double a = 0;
+                for (int j = 0; j < n; j++) a += s[j] * op(vc[(size_t)j * kw + kh * hd + i]);
+                ref[((size_t)t * q + h) * hd + i] = a / sum;
+            }
+        }
+    char what[128];
+    snprintf(what, sizeof what, "prompt attention %s q %d / kv %d, head %d, %d tokens from %d", bf ? "bf16 flash" : "fp32", q, kv,
+             hd, T, pos);
+    expect(what, host_copy(d_y, ref.size()), ref, bf ? 1e-2 : 1e-5);
+    for (float *p : {d_k, d_v, d_qkv, d_y}) CUDA_CHECK(cudaFree(p));
     CUDA_CHECK(cudaFree(d_pos));
 }
 
@@ -483,6 +521,16 @@ int main(int argc, char **argv) {
     test_attention(4, 2, 20, 5, 8192);      /* more splits than keys */
     test_attention(8, 2, 128, 2046, 8192);
     test_attention(2, 1, 256, 1000, 3001);
+    test_prompt_attention(4, 1, 20, 0, 37, 1);      /* the tiny-bf16 fixture's shape: head 20 padded to 32 */
+    test_prompt_attention(8, 8, 64, 0, 130, 1);     /* GQA group 1: 64-row tiles of tokens, a partial last one */
+    test_prompt_attention(8, 2, 80, 100, 77, 1);    /* group 4, head 80, a chunk starting mid-cache inside a key tile */
+    test_prompt_attention(16, 2, 128, 1000, 300, 1);  /* group 8: 8 tokens a row tile */
+    test_prompt_attention(5, 1, 128, 64, 200, 1);   /* group 5 (nemotron-nano-9b-v2): tokens straddle row tiles */
+    test_prompt_attention(4, 1, 256, 65, 64, 1);    /* head 256 */
+    test_prompt_attention(32, 8, 128, 0, 1, 1);     /* a single token through the prompt path */
+    test_prompt_attention(8, 2, 8, 3, 20, 0);       /* fp32: the tiny-f32 fixture's shape */
+    test_prompt_attention(4, 1, 80, 100, 77, 0);
+    test_prompt_attention(2, 2, 256, 500, 40, 0);
     test_sampling(1000, 0);
     test_sampling(131072, 0);
     test_sampling(131072, 1);
