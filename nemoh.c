@@ -2427,7 +2427,8 @@ static double decode_bytes(const Rank *r, int pos, int gpu) {
             b += MB(L->in_proj[0], s->in_proj) + MB(L->out, c->hidden) +
                  2.0 * 4 * ((double)s->d_inner * c->d_state + (double)s->conv * (c->d_conv - 1));
         else if (L->kind == '*')
-            b += MB(L->wq, (s->q + 2 * s->kv) * c->head_dim) + MB(L->wo, c->hidden) + 2.0 * 4 * pos * s->kv * c->head_dim;
+            b += MB(L->wq, (s->q + 2 * s->kv) * c->head_dim) + MB(L->wo, c->hidden) +   /* the GPU's cache is bf16 for bf16 weights */
+                 2.0 * (gpu && L->wq.dtype == DT_BF16 ? 2 : 4) * pos * s->kv * c->head_dim;
         else if (L->kind == '-')
             b += MB(L->up, s->mlp) + MB(L->down, c->hidden);
         else

@@ -1,12 +1,13 @@
 /* nemoh.cu: the CUDA backend. The same forward pass as the CPU reference in nemoh.c, on one GPU per
  * tensor-parallel rank: weights kept in the dtype they were stored in (bf16 stays bf16, f32 and f16
- * become f32), fp32 activations, residual, SSM state and KV cache. Matrix-vector products for one
- * token are our own bandwidth-bound kernels; for a prompt chunk they go through cuBLAS. Ranks talk
- * through NCCL; the all-reduce a layer owes is fused into the next layer's entry with NCCL 2.28's
- * device API (symmetric window + LSA barrier).
+ * become f32), the KV cache in the same dtype, fp32 activations, residual and SSM state. Matrix-vector
+ * products for one token are our own bandwidth-bound kernels; for a prompt chunk they go through cuBLAS,
+ * and its attention is a flash-attention kernel on the tensor cores. Ranks talk through NCCL; the
+ * all-reduce a layer owes is fused into the next layer's entry with NCCL 2.28's device API (symmetric
+ * window + LSA barrier).
  *
  * Sections: error checks, device structs, kernels (elementwise and norms, the fused all-reduce, the
- * matrix-vector product, Mamba2, attention, sampling), matrix products, the backend operations,
+ * matrix-vector product, Mamba2, attention, prompt attention, sampling), matrix products, the backend operations,
  * setup and teardown, benchmarks. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -91,7 +92,7 @@ typedef struct {
     GMat up, down;              /* [mlp, hidden], [hidden, mlp] */
     float *conv_st;             /* [conv, 3] last conv inputs, oldest first */
     float *ssm;                 /* [m_heads, m_hdim, d_state] fp32 state */
-    float *k, *v;               /* [ctx, kv * head_dim] fp32 cache */
+    void *k, *v;                /* [ctx, kv * head_dim] cache in the weights' dtype: bf16 if qkv.bf, else fp32 */
 } GLayer;
 
 typedef struct {
@@ -679,14 +680,21 @@ static int gated_norm_threads(int gsize) { return std::min(1024, (cdiv(gsize, GN
  * Kernels: attention (no positional encoding, causal, GQA)
  * ---------------------------------------------------------------------------------------------- */
 
-/* cache[pos + t] = k[t], v[t] */
-__global__ void kv_append_kernel(float *kc, float *vc, const float *qkv, int ld, int qw, int kw, const int *pos) {
+/* A cache element from fp32 and back: KT is float or bf16 (round to nearest even). */
+template <typename KT> __device__ __forceinline__ KT to_kt(float v) { return (KT)v; }
+template <> __device__ __forceinline__ bf16 to_kt<bf16>(float v) { return __float2bfloat16(v); }
+__device__ __forceinline__ float kt_f32(float v) { return v; }
+__device__ __forceinline__ float kt_f32(bf16 v) { return __bfloat162float(v); }
+
+/* cache[pos + t] = k[t], v[t], in the cache's dtype KT */
+template <typename KT>
+__global__ void kv_append_kernel(KT *kc, KT *vc, const float *qkv, int ld, int qw, int kw, const int *pos) {
     pdl_wait();
     int t = blockIdx.x;
     size_t dst = (size_t)(*pos + t) * kw;
     for (int i = threadIdx.x; i < kw; i += blockDim.x) {
-        kc[dst + i] = qkv[(size_t)t * ld + qw + i];
-        vc[dst + i] = qkv[(size_t)t * ld + qw + kw + i];
+        kc[dst + i] = to_kt<KT>(qkv[(size_t)t * ld + qw + i]);
+        vc[dst + i] = to_kt<KT>(qkv[(size_t)t * ld + qw + kw + i]);
     }
 }
 
@@ -703,9 +711,9 @@ __device__ __forceinline__ int attn_len(int n, int splits) { return (n + splits 
 /* One query (decode) against keys 0..pos: block (head, split) keeps an online softmax over its keys
  * and writes (max, sum, sum_j e^(s_j - max) v_j) for combine; a split past the last key writes
  * (-inf, 0, 0). A warp takes four keys at a time and issues all their K and V loads before any math. */
-template <int NC>
+template <int NC, typename KT>
 __global__ void __launch_bounds__(128) attn_decode_kernel(
-        float *part, const float *q, const float *kc, const float *vc, const int *pos, int kw, int hd,
+        float *part, const float *q, const KT *kc, const KT *vc, const int *pos, int kw, int hd,
         int group, int q0, int kv0, float scale, int splits, const void *warm, size_t warm_n) {
     l2_warm(warm, warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
     pdl_wait();
@@ -721,12 +729,12 @@ __global__ void __launch_bounds__(128) attn_decode_kernel(
         float kv[4][NC], vv[4][NC], sc[4], e[4];
 #pragma unroll
         for (int u = 0; u < 4; u++) {
-            const float *k = kc + (size_t)(j + u) * kw + kvh * hd, *v = vc + (size_t)(j + u) * kw + kvh * hd;
+            const KT *k = kc + (size_t)(j + u) * kw + kvh * hd, *v = vc + (size_t)(j + u) * kw + kvh * hd;
 #pragma unroll
             for (int c = 0; c < NC; c++) {
                 bool in = j + u < j1 && lane + 32 * c < hd;
-                kv[u][c] = in ? k[lane + 32 * c] : 0.0f;
-                vv[u][c] = in ? v[lane + 32 * c] : 0.0f;
+                kv[u][c] = in ? kt_f32(k[lane + 32 * c]) : 0.0f;
+                vv[u][c] = in ? kt_f32(v[lane + 32 * c]) : 0.0f;
             }
         }
         float mn = m;
@@ -765,9 +773,11 @@ __global__ void __launch_bounds__(128) attn_decode_kernel(
 }
 
 /* Launches attn_decode_kernel for q heads (see there). */
-static void attn_decode(cudaStream_t stream, float *part, const float *q, const float *kc, const float *vc, const int *pos, int kw,
+template <typename KT>
+static void attn_decode(cudaStream_t stream, float *part, const float *q, const KT *kc, const KT *vc, const int *pos, int kw,
                         int hd, int group, int n_q, int q0, int kv0, float scale, int splits, const void *warm, size_t warm_n) {
-    auto k = hd <= 32 ? attn_decode_kernel<1> : hd <= 64 ? attn_decode_kernel<2> : hd <= 128 ? attn_decode_kernel<4> : attn_decode_kernel<8>;
+    auto k = hd <= 32 ? attn_decode_kernel<1, KT> : hd <= 64 ? attn_decode_kernel<2, KT> : hd <= 128 ? attn_decode_kernel<4, KT>
+                                                                                        : attn_decode_kernel<8, KT>;
     LAUNCH(dim3(n_q, splits), 128, 0, stream, k, part, q, kc, vc, pos, kw, hd, group, q0, kv0, scale, splits, warm, warm_n);
 }
 
@@ -854,12 +864,12 @@ __device__ __forceinline__ uint4 load8_bf16(const bf16 *src, int n, bool vec) {
     return make_uint4(h[0] | (uint32_t)h[1] << 16, h[2] | (uint32_t)h[3] << 16, h[4] | (uint32_t)h[5] << 16, h[6] | (uint32_t)h[7] << 16);
 }
 
-/* y[t][h] = sum_j softmax_j(q[t][h] . k_j / sqrt(hd)) v_j over keys j <= pos + t (see above). KT: the
- * cache's element type. Shared memory: Q, K, V tiles of 64 rows of HD + 8 bf16 (the 16-byte pad puts
+/* y[t][h] = sum_j softmax_j(q[t][h] . k_j / sqrt(hd)) v_j over keys j <= pos + t (see above), from a
+ * bf16 cache. Shared memory: Q, K, V tiles of 64 rows of HD + 8 bf16 (the 16-byte pad puts
  * the 8 rows an ldmatrix reads in different banks). */
-template <int HD, typename KT>
-__global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(float *y, int ldy, const float *q, int ldq, const KT *kc,
-                                                               const KT *vc, int kw, int hd, int gl, int T, int pos,
+template <int HD>
+__global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(float *y, int ldy, const float *q, int ldq, const bf16 *kc,
+                                                               const bf16 *vc, int kw, int hd, int gl, int T, int pos,
                                                                float scale_log2) {
     constexpr int LDS = HD + 8, NT = FA_KEYS / 8, DT = HD / 8;
     extern __shared__ uint4 fa_sm[];
@@ -965,9 +975,9 @@ __global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(float *y, int ld
     }
 }
 
-/* The same for fp32 checkpoints, in fp32 (their tests hold the GPU to 2e-4 of transformers): block
- * (token t, query head h), warp w takes keys w, w + 4, ... with an online softmax, a lane holding
- * NC = ceil(hd / 32) elements of a row; the four warps' (max, sum, acc) merge at the end. */
+/* The same for fp32 checkpoints (fp32 cache), in fp32: their tests hold the GPU to 2e-4 of
+ * transformers. Block (token t, query head h), warp w takes keys w, w + 4, ... with an online softmax,
+ * a lane holding NC = ceil(hd / 32) elements of a row; the four warps' (max, sum, acc) merge at the end. */
 template <int NC>
 __global__ void __launch_bounds__(128) attn_prompt_f32_kernel(float *y, int ldy, const float *q, int ldq, const float *kc,
                                                              const float *vc, int kw, int hd, int gl, int pos, float scale) {
@@ -1002,30 +1012,28 @@ __global__ void __launch_bounds__(128) attn_prompt_f32_kernel(float *y, int ldy,
     }
 }
 
-/* Prompt attention for T tokens from pos over n_kv local kv heads of gl query heads each: the flash
- * kernel on a bf16 path (bf16 weights), fp32 otherwise (see above). q: [T, ldq] rows, heads side by side. */
-template <int HD, typename KT> static void flash_attn_launch(cudaStream_t stream, float *y, int ldy, const float *q, int ldq,
-                                                            const KT *kc, const KT *vc, int kw, int hd, int gl, int n_kv,
-                                                            int T, int pos, float scale) {
+/* Prompt attention for T tokens from pos over n_kv local kv heads of gl query heads each, q: [T, ldq]
+ * rows, heads side by side: the flash kernel from a bf16 cache, the fp32 one from an fp32 cache. */
+template <int HD> static void flash_attn_launch(cudaStream_t stream, float *y, int ldy, const float *q, int ldq, const bf16 *kc,
+                                               const bf16 *vc, int kw, int hd, int gl, int n_kv, int T, int pos, float scale) {
     size_t smem = (size_t)(FA_ROWS + 2 * FA_KEYS) * (HD + 8) * sizeof(bf16);
-    CUDA_CHECK(cudaFuncSetAttribute(flash_attn_kernel<HD, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    LAUNCH(dim3(cdiv((long)T * gl, FA_ROWS), n_kv), FA_THREADS, smem, stream, flash_attn_kernel<HD, KT>, y, ldy, q, ldq, kc, vc,
-           kw, hd, gl, T, pos, scale * 1.4426950408889634f);
+    CUDA_CHECK(cudaFuncSetAttribute(flash_attn_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    LAUNCH(dim3(cdiv((long)T * gl, FA_ROWS), n_kv), FA_THREADS, smem, stream, flash_attn_kernel<HD>, y, ldy, q, ldq, kc, vc, kw,
+           hd, gl, T, pos, scale * 1.4426950408889634f);
 }
 
-template <typename KT> static void attn_prompt(cudaStream_t stream, int bf, float *y, int ldy, const float *q, int ldq,
-                                              const KT *kc, const KT *vc, int kw, int hd, int gl, int n_kv, int T, int pos,
-                                              float scale) {
-    if (!bf) {
-        auto k = hd <= 32 ? attn_prompt_f32_kernel<1> : hd <= 64 ? attn_prompt_f32_kernel<2> : hd <= 128 ? attn_prompt_f32_kernel<4> : attn_prompt_f32_kernel<8>;
-        LAUNCH(dim3(T, n_kv * gl), 128, 0, stream, k, y, ldy, q, ldq, (const float *)kc, (const float *)vc, kw, hd, gl, pos, scale);
-        return;
-    }
-    if (hd <= 32) flash_attn_launch<32>(stream, y, ldy, q, ldq, kc, vc, kw, hd, gl, n_kv, T, pos, scale);
-    else if (hd <= 64) flash_attn_launch<64>(stream, y, ldy, q, ldq, kc, vc, kw, hd, gl, n_kv, T, pos, scale);
-    else if (hd <= 96) flash_attn_launch<96>(stream, y, ldy, q, ldq, kc, vc, kw, hd, gl, n_kv, T, pos, scale);
-    else if (hd <= 128) flash_attn_launch<128>(stream, y, ldy, q, ldq, kc, vc, kw, hd, gl, n_kv, T, pos, scale);
-    else flash_attn_launch<256>(stream, y, ldy, q, ldq, kc, vc, kw, hd, gl, n_kv, T, pos, scale);
+static void attn_prompt(cudaStream_t stream, float *y, int ldy, const float *q, int ldq, const bf16 *kc, const bf16 *vc, int kw,
+                        int hd, int gl, int n_kv, int T, int pos, float scale) {
+    auto launch = hd <= 32 ? flash_attn_launch<32> : hd <= 64 ? flash_attn_launch<64> : hd <= 96 ? flash_attn_launch<96>
+                : hd <= 128 ? flash_attn_launch<128> : flash_attn_launch<256>;
+    launch(stream, y, ldy, q, ldq, kc, vc, kw, hd, gl, n_kv, T, pos, scale);
+}
+
+static void attn_prompt(cudaStream_t stream, float *y, int ldy, const float *q, int ldq, const float *kc, const float *vc, int kw,
+                        int hd, int gl, int n_kv, int T, int pos, float scale) {
+    auto k = hd <= 32 ? attn_prompt_f32_kernel<1> : hd <= 64 ? attn_prompt_f32_kernel<2> : hd <= 128 ? attn_prompt_f32_kernel<4>
+                                                                                       : attn_prompt_f32_kernel<8>;
+    LAUNCH(dim3(T, n_kv * gl), 128, 0, stream, k, y, ldy, q, ldq, kc, vc, kw, hd, gl, pos, scale);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -1321,22 +1329,32 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     matmul(g, mixer_out(r), H, g->y, di, T, &L->out, fold ? EPI_GNORM : EPI_NONE, first_product(g, c, l + 1), &gs);
 }
 
+/* The attention after the qkv product, on the cache of dtype KT: append, then one query (decode) or a
+ * prompt chunk (local query heads k * gl .. (k + 1) * gl - 1 read local kv head k). */
+template <typename KT> static void attend(Rank *r, GLayer *L, KT *kc, KT *vc, int T, int pos) {
+    GpuRank *g = G(r);
+    const Config *c = r->c;
+    const Shard *s = &r->s;
+    int hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, w = qw + 2 * kw, group = c->n_heads / c->n_kv;
+    float scale = 1.0f / sqrtf((float)hd);
+    LAUNCH(T, 256, 0, g->stream, kv_append_kernel<KT>, kc, vc, g->proj, w, qw, kw, g->pos);
+    if (T == 1) {
+        attn_decode(g->stream, g->part, g->proj, kc, vc, g->pos, kw, hd, group, s->q, s->q0, s->kv0, scale, g->splits, L->o.w,
+                    warm_bytes(&L->o));
+        LAUNCH(s->q, 128, 0, g->stream, attn_combine_kernel, g->y, g->part, g->pos, hd, g->splits);
+    } else {
+        attn_prompt(g->stream, g->y, qw, g->proj, w, kc, vc, kw, hd, s->q / s->kv, s->kv, T, pos, scale);
+    }
+}
+
 static void gpu_attention(Rank *r, int l, int T, int pos) {
     GpuRank *g = G(r);
     GLayer *L = &g->L[l];
     const Config *c = r->c;
-    const Shard *s = &r->s;
-    int H = c->hidden, hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, w = qw + 2 * kw, group = c->n_heads / c->n_kv;
-    float scale = 1.0f / sqrtf((float)hd);
+    int H = c->hidden, qw = r->s.q * c->head_dim, w = qw + 2 * r->s.kv * c->head_dim;
     matmul(g, g->proj, w, g->x, H, T, &L->qkv, EPI_NONE, &L->o, NULL);
-    LAUNCH(T, 256, 0, g->stream, kv_append_kernel, L->k, L->v, g->proj, w, qw, kw, g->pos);
-    if (T == 1) {
-        attn_decode(g->stream, g->part, g->proj, L->k, L->v, g->pos, kw, hd, group, s->q, s->q0, s->kv0, scale, g->splits, L->o.w,
-                    warm_bytes(&L->o));
-        LAUNCH(s->q, 128, 0, g->stream, attn_combine_kernel, g->y, g->part, g->pos, hd, g->splits);
-    } else {   /* local query heads k * gl .. (k + 1) * gl - 1 read local kv head k */
-        attn_prompt(g->stream, L->qkv.bf, g->y, qw, g->proj, w, L->k, L->v, kw, hd, s->q / s->kv, s->kv, T, pos, scale);
-    }
+    if (L->qkv.bf) attend(r, L, (bf16 *)L->k, (bf16 *)L->v, T, pos);
+    else attend(r, L, (float *)L->k, (float *)L->v, T, pos);
     matmul(g, mixer_out(r), H, g->y, qw, T, &L->o, EPI_NONE, first_product(g, c, l + 1), NULL);
 }
 
@@ -1502,7 +1520,7 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g) {
                  ((size_t)s->conv * 8 + 3 * s->m_heads + 2 * s->d_inner + (size_t)s->d_inner * c->d_state) * f;
         else if (L->kind == '*')
             b += mat_bytes(&L->wq, (s->q + 2 * s->kv) * c->head_dim) + mat_bytes(&L->wo, (int)H) +
-                 2 * (size_t)r->ctx * s->kv * c->head_dim * f;
+                 2 * (size_t)r->ctx * s->kv * c->head_dim * (L->wq.dtype == DT_BF16 ? 2 : 4);   /* the cache: see GLayer */
         else
             b += mat_bytes(&L->up, s->mlp) + mat_bytes(&L->down, (int)H);
     }
@@ -1570,8 +1588,9 @@ static void gpu_init(Rank *r) {
             Mat qkv[3] = {L->wq, L->wk, L->wv};
             D->qkv = upload_mat(qkv, 3);
             D->o = upload_mat(&L->wo, 1);
-            D->k = zeros((size_t)r->ctx * s->kv * hd);
-            D->v = zeros((size_t)r->ctx * s->kv * hd);
+            size_t n = (size_t)r->ctx * s->kv * hd, room = D->qkv.bf ? (n + 1) / 2 : n;   /* in floats: bf16 takes half */
+            D->k = zeros(room);
+            D->v = zeros(room);
         } else {
             D->up = upload_mat(&L->up, 1);
             D->down = upload_mat(&L->down, 1);

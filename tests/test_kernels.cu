@@ -33,6 +33,22 @@ static std::vector<float> host_copy(const float *d, size_t n) {
     return h;
 }
 
+/* The same in a KV cache's dtype (float or bf16, rounded to nearest even), and back as float. */
+template <typename KT> static KT *dev_copy_as(const std::vector<float> &h) {
+    std::vector<KT> v(h.begin(), h.end());
+    KT *d;
+    CUDA_CHECK(cudaMalloc(&d, (v.size() ? v.size() : 1) * sizeof(KT)));
+    CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(KT), cudaMemcpyHostToDevice));
+    return d;
+}
+
+template <typename KT> static std::vector<float> host_copy_as(const KT *d, size_t n) {
+    std::vector<KT> v(n);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(v.data(), d, n * sizeof(KT), cudaMemcpyDeviceToHost));
+    return std::vector<float>(v.begin(), v.end());
+}
+
 /* max |got - ref| / max |ref|, NaN counting as a failure */
 static void expect(const char *what, const std::vector<float> &got, const std::vector<double> &ref, double tol) {
     double worst = 0, scale = 1e-30;
@@ -254,20 +270,23 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
     free_rank(&gr);
 }
 
-/* ---- attention: append to the cache, decode split along the sequence, prefill softmax ---- */
-static void test_attention(int q, int kv, int hd, int pos, int ctx) {
-    int group = q / kv, kw = kv * hd, w = q * hd + 2 * kw, splits = attn_splits(ctx);
+/* ---- attention: append to the cache (fp32 or bf16: KT), decode split along the sequence ---- */
+template <typename KT> static void test_attention(int q, int kv, int hd, int pos, int ctx) {
+    int group = q / kv, kw = kv * hd, w = q * hd + 2 * kw, splits = attn_splits(ctx), bf = sizeof(KT) == 2;
+    auto op = [&](float v) { return bf ? bf16_round(v) : v; };   /* what the cache holds */
     std::vector<float> kc = rand_vec((size_t)ctx * kw), vc = rand_vec((size_t)ctx * kw), qkv = rand_vec(w);
-    float *d_k = dev_copy(kc), *d_v = dev_copy(vc), *d_qkv = dev_copy(qkv), *d_y = dev_copy(std::vector<float>((size_t)q * hd));
+    for (auto *c : {&kc, &vc}) for (auto &x : *c) x = op(x);
+    KT *d_k = dev_copy_as<KT>(kc), *d_v = dev_copy_as<KT>(vc);
+    float *d_qkv = dev_copy(qkv), *d_y = dev_copy(std::vector<float>((size_t)q * hd, NAN));
     float *d_part = dev_copy(std::vector<float>((size_t)q * splits * (hd + 2)));
     int *d_pos;
     CUDA_CHECK(cudaMalloc(&d_pos, sizeof(int)));
     CUDA_CHECK(cudaMemcpy(d_pos, &pos, sizeof(int), cudaMemcpyHostToDevice));
     float scale = 1.0f / sqrtf((float)hd);
-    LAUNCH(1, 256, 0, 0, kv_append_kernel, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
-    attn_decode(0, d_part, d_qkv, d_k, d_v, d_pos, kw, hd, group, q, 0, 0, scale, splits, d_k, (size_t)ctx * kw * sizeof(float));
+    LAUNCH(1, 256, 0, 0, kv_append_kernel<KT>, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
+    attn_decode(0, d_part, d_qkv, d_k, d_v, d_pos, kw, hd, group, q, 0, 0, scale, splits, d_k, (size_t)ctx * kw * sizeof(KT));
     LAUNCH(q, 128, 0, 0, attn_combine_kernel, d_y, d_part, d_pos, hd, splits);
-    for (int i = 0; i < kw; i++) { kc[(size_t)pos * kw + i] = qkv[q * hd + i]; vc[(size_t)pos * kw + i] = qkv[q * hd + kw + i]; }
+    for (int i = 0; i < kw; i++) { kc[(size_t)pos * kw + i] = op(qkv[q * hd + i]); vc[(size_t)pos * kw + i] = op(qkv[q * hd + kw + i]); }
     std::vector<double> ref((size_t)q * hd);
     for (int h = 0; h < q; h++) {
         int g = h / group;
@@ -287,33 +306,37 @@ static void test_attention(int q, int kv, int hd, int pos, int ctx) {
         }
     }
     char what[128];
-    snprintf(what, sizeof what, "attention decode q %d / kv %d, head %d, position %d (%d splits of %d keys)", q, kv, hd, pos, splits, (pos + splits) / splits);
+    snprintf(what, sizeof what, "attention decode %s cache q %d / kv %d, head %d, position %d (%d splits of %d keys)",
+             bf ? "bf16" : "fp32", q, kv, hd, pos, splits, (pos + splits) / splits);
     expect(what, host_copy(d_y, ref.size()), ref, 1e-5);
-    std::vector<double> kref(kc.begin(), kc.end());
-    expect("kv cache append", host_copy(d_k, kc.size()), kref, 0);
-    for (float *p : {d_k, d_v, d_qkv, d_y, d_part}) CUDA_CHECK(cudaFree(p));
+    std::vector<double> kref(kc.begin(), kc.end()), vref(vc.begin(), vc.end());
+    expect(bf ? "kv cache append (bf16): keys" : "kv cache append (fp32): keys", host_copy_as(d_k, kc.size()), kref, 0);
+    expect(bf ? "kv cache append (bf16): values" : "kv cache append (fp32): values", host_copy_as(d_v, vc.size()), vref, 0);
+    for (void *p : {(void *)d_k, (void *)d_v, (void *)d_qkv, (void *)d_y, (void *)d_part}) CUDA_CHECK(cudaFree(p));
     CUDA_CHECK(cudaFree(d_pos));
 }
 
 /* ---- prompt attention: a chunk of T tokens from position pos (the cache holds pos keys before it)
- * appended, then attending causally; the bf16 flash kernel (against a reference on the same bf16
- * operands; P also meets V in bf16, hence its looser tolerance) or the fp32 one. Queries are scaled
+ * appended, then attending causally; the flash kernel on a bf16 cache (against a reference on the
+ * same bf16 operands; P also meets V in bf16, hence its looser tolerance) or the fp32 one on an fp32
+ * cache. Queries are scaled
  * up so that each row's softmax is peaked: a key masked wrongly, or a row mixed with another, moves
  * the output by far more than the tolerance. Cache rows past the chunk and the output are NaN
  * before the run: a read past the last key or a row not written shows. ---- */
-static void test_prompt_attention(int q, int kv, int hd, int pos, int T, int bf) {
-    int gl = q / kv, kw = kv * hd, w = q * hd + 2 * kw, ctx = pos + T + 70;
+template <typename KT> static void test_prompt_attention(int q, int kv, int hd, int pos, int T) {
+    int gl = q / kv, kw = kv * hd, w = q * hd + 2 * kw, ctx = pos + T + 70, bf = sizeof(KT) == 2;
     std::vector<float> kc = rand_vec((size_t)ctx * kw), vc = rand_vec((size_t)ctx * kw), qkv = rand_vec((size_t)T * w);
     for (size_t i = (size_t)(pos + T) * kw; i < kc.size(); i++) kc[i] = vc[i] = NAN;
     for (int t = 0; t < T; t++) for (int i = 0; i < q * hd; i++) qkv[(size_t)t * w + i] *= 6.0f;
-    float *d_k = dev_copy(kc), *d_v = dev_copy(vc), *d_qkv = dev_copy(qkv);
+    KT *d_k = dev_copy_as<KT>(kc), *d_v = dev_copy_as<KT>(vc);
+    float *d_qkv = dev_copy(qkv);
     float *d_y = dev_copy(std::vector<float>((size_t)T * q * hd, NAN));
     int *d_pos;
     CUDA_CHECK(cudaMalloc(&d_pos, sizeof(int)));
     CUDA_CHECK(cudaMemcpy(d_pos, &pos, sizeof(int), cudaMemcpyHostToDevice));
     float scale = 1.0f / sqrtf((float)hd);
-    LAUNCH(T, 256, 0, 0, kv_append_kernel, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
-    attn_prompt(0, bf, d_y, q * hd, d_qkv, w, d_k, d_v, kw, hd, gl, kv, T, pos, scale);
+    LAUNCH(T, 256, 0, 0, kv_append_kernel<KT>, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
+    attn_prompt(0, d_y, q * hd, d_qkv, w, d_k, d_v, kw, hd, gl, kv, T, pos, scale);
     for (int t = 0; t < T; t++)
         for (int i = 0; i < kw; i++) {
             kc[(size_t)(pos + t) * kw + i] = qkv[(size_t)t * w + q * hd + i];
@@ -343,7 +366,7 @@ static void test_prompt_attention(int q, int kv, int hd, int pos, int T, int bf)
     snprintf(what, sizeof what, "prompt attention %s q %d / kv %d, head %d, %d tokens from %d", bf ? "bf16 flash" : "fp32", q, kv,
              hd, T, pos);
     expect(what, host_copy(d_y, ref.size()), ref, bf ? 1e-2 : 1e-5);
-    for (float *p : {d_k, d_v, d_qkv, d_y}) CUDA_CHECK(cudaFree(p));
+    for (void *p : {(void *)d_k, (void *)d_v, (void *)d_qkv, (void *)d_y}) CUDA_CHECK(cudaFree(p));
     CUDA_CHECK(cudaFree(d_pos));
 }
 
@@ -514,23 +537,27 @@ int main(int argc, char **argv) {
     test_mamba(4, 12, 2, 256, {20, 1});
     test_mamba(2, 80, 1, 128, {40, 1});   /* P = 80: rows of one head across blocks */
     test_mamba(32, 64, 1, 64, {2, 1});    /* one group of 2048 channels for the gated norm */
-    test_attention(4, 2, 20, 0, 8);
-    test_attention(6, 3, 8, 7, 15);
-    test_attention(8, 2, 128, 300, 308);
-    test_attention(4, 1, 64, 777, 785);
-    test_attention(4, 2, 20, 5, 8192);      /* more splits than keys */
-    test_attention(8, 2, 128, 2046, 8192);
-    test_attention(2, 1, 256, 1000, 3001);
-    test_prompt_attention(4, 1, 20, 0, 37, 1);      /* the tiny-bf16 fixture's shape: head 20 padded to 32 */
-    test_prompt_attention(8, 8, 64, 0, 130, 1);     /* GQA group 1: 64-row tiles of tokens, a partial last one */
-    test_prompt_attention(8, 2, 80, 100, 77, 1);    /* group 4, head 80, a chunk starting mid-cache inside a key tile */
-    test_prompt_attention(16, 2, 128, 1000, 300, 1);  /* group 8: 8 tokens a row tile */
-    test_prompt_attention(5, 1, 128, 64, 200, 1);   /* group 5 (nemotron-nano-9b-v2): tokens straddle row tiles */
-    test_prompt_attention(4, 1, 256, 65, 64, 1);    /* head 256 */
-    test_prompt_attention(32, 8, 128, 0, 1, 1);     /* a single token through the prompt path */
-    test_prompt_attention(8, 2, 8, 3, 20, 0);       /* fp32: the tiny-f32 fixture's shape */
-    test_prompt_attention(4, 1, 80, 100, 77, 0);
-    test_prompt_attention(2, 2, 256, 500, 40, 0);
+    test_attention<float>(4, 2, 20, 0, 8);
+    test_attention<float>(6, 3, 8, 7, 15);
+    test_attention<float>(8, 2, 128, 300, 308);
+    test_attention<float>(4, 1, 64, 777, 785);
+    test_attention<float>(4, 2, 20, 5, 8192);      /* more splits than keys */
+    test_attention<float>(8, 2, 128, 2046, 8192);
+    test_attention<float>(2, 1, 256, 1000, 3001);
+    test_attention<bf16>(4, 1, 20, 6, 8);
+    test_attention<bf16>(8, 2, 128, 2046, 8192);
+    test_attention<bf16>(5, 1, 80, 999, 1500);
+    test_attention<bf16>(2, 1, 256, 1000, 3001);
+    test_prompt_attention<bf16>(4, 1, 20, 0, 37);      /* the tiny-bf16 fixture's shape: head 20 padded to 32 */
+    test_prompt_attention<bf16>(8, 8, 64, 0, 130);     /* GQA group 1: 64-row tiles of tokens, a partial last one */
+    test_prompt_attention<bf16>(8, 2, 80, 100, 77);    /* group 4, head 80, a chunk starting mid-cache inside a key tile */
+    test_prompt_attention<bf16>(16, 2, 128, 1000, 300);  /* group 8: 8 tokens a row tile */
+    test_prompt_attention<bf16>(5, 1, 128, 64, 200);   /* group 5 (nemotron-nano-9b-v2): tokens straddle row tiles */
+    test_prompt_attention<bf16>(4, 1, 256, 65, 64);    /* head 256 */
+    test_prompt_attention<bf16>(32, 8, 128, 0, 1);     /* a single token through the prompt path */
+    test_prompt_attention<float>(8, 2, 8, 3, 20);      /* fp32: the tiny-f32 fixture's shape */
+    test_prompt_attention<float>(4, 1, 80, 100, 77);
+    test_prompt_attention<float>(2, 2, 256, 500, 40);
     test_sampling(1000, 0);
     test_sampling(131072, 0);
     test_sampling(131072, 1);
