@@ -677,6 +677,175 @@ __global__ void __launch_bounds__(1024) gated_norm_kernel(float *y, const float 
 static int gated_norm_threads(int gsize) { return std::min(1024, (cdiv(gsize, GN_PER) + 31) / 32 * 32); }
 
 /* ------------------------------------------------------------------------------------------------
+ * Kernels: the prompt's Mamba2 scan as the chunked state-space-duality (SSD) algorithm
+ * ---------------------------------------------------------------------------------------------- */
+
+/* Over a chunk of L steps from state S0 ([P, N] per head), with a_s = dt_s A and cs_t = a_0 + .. + a_t,
+ * the recurrence S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T, y_t = S_t C_t + D x_t unrolls to
+ *   y_t = sum_{s<=t} exp(cs_t - cs_s) (C_t . B_s) dt_s x_s + exp(cs_t) S0 C_t + D x_t
+ *   S_L = exp(cs_{L-1}) S0 + sum_s exp(cs_{L-1} - cs_s) dt_s x_s B_s^T
+ * three matrix products a chunk (M = (C B^T) masked and decayed, M (dt x), (e^cs C) S0^T, (w x)^T B),
+ * done on the tensor cores in TF32 (fp32 operands rounded to 10 mantissa bits, fp32 accumulators);
+ * the state stays fp32 in shared memory, and the chunks follow each other in fp32. Block (head h,
+ * PB channels of it), eight warps, each taking 16x8 output tiles of a product in turn; chunk inputs
+ * past the last step are zeros (dt = 0 too, so they neither decay nor add). The state is read at the
+ * start and written back at the end: the next prompt chunk, or the decode's step-by-step scan,
+ * continues from it. L = 64 keeps the chunk's B, C, M and the state within shared memory at N = 128
+ * (PB halves at N = 256). */
+enum { SSD_L = 64, SSD_WARPS = 8 };
+__host__ __device__ constexpr int ssd_rows(int N) { return N >= 256 ? 32 : 64; }
+
+__device__ __forceinline__ uint32_t tf32(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+/* d[16x8] += a[16x8] b[8x8], TF32 operands, fp32 accumulators */
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Shared memory of ssd_scan_kernel<N>, in floats: X [L][PB + 8], B and C [L][N + 4], M [L][L + 4],
+ * S [PB][N + 4], dt, cs and w [L] (the pads spread a fragment's rows over the banks). */
+static constexpr int ssd_smem_floats(int N) {
+    return SSD_L * (ssd_rows(N) + 8) + 2 * SSD_L * (N + 4) + SSD_L * (SSD_L + 4) + ssd_rows(N) * (N + 4) + 3 * SSD_L;
+}
+
+template <int N>
+__global__ void __launch_bounds__(32 * SSD_WARPS) ssd_scan_kernel(float *y, float *ssm, const float *xbc, const float *proj,
+                                                                 int ld_proj, int dt_off, const float *A, const float *D,
+                                                                 const float *dt_bias, int T, int H, int P, int G, int di) {
+    constexpr int L = SSD_L, PB = ssd_rows(N), LX = PB + 8, LB = N + 4, LM = L + 4;
+    static_assert(L == 64, "the decay scan below takes two steps a lane");
+    extern __shared__ float4 ssd_sm4[];
+    float *Xs = (float *)ssd_sm4, *Bs = Xs + L * LX, *Cs = Bs + L * LB, *Ms = Cs + L * LB, *Ss = Ms + L * LM;
+    float *dts = Ss + PB * LB, *cs = dts + L, *ws = cs + L;   /* dt_s; cs_s; w_s = exp(cs_{L-1} - cs_s) dt_s */
+    int h = blockIdx.x, p0 = blockIdx.y * PB, g = h / (H / G), cv = di + 2 * G * N;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, c = lane & 3;
+    float a = A[h], d = D[h], bias = dt_bias[h];
+    pdl_wait();
+    for (int i = threadIdx.x; i < PB * N; i += blockDim.x) {
+        int p = i / N, n = i % N;
+        Ss[p * LB + n] = p0 + p < P ? ssm[((size_t)h * P + p0 + p) * N + n] : 0.0f;
+    }
+    for (int t0 = 0; t0 < T; t0 += L) {
+        int len = min(L, T - t0);
+        __syncthreads();   /* the previous chunk is done with X, B, C, M, dt, cs, w; its state is written */
+#pragma unroll 4
+        for (int i = threadIdx.x; i < L * PB; i += blockDim.x) {
+            int t = i / PB, p = i % PB;
+            Xs[t * LX + p] = t < len && p0 + p < P ? xbc[(size_t)(t0 + t) * cv + h * P + p0 + p] : 0.0f;
+        }
+#pragma unroll 4
+        for (int i = threadIdx.x; i < L * N; i += blockDim.x) {
+            int t = i / N, n = i % N;
+            const float *r = xbc + (size_t)(t0 + t) * cv + di + g * N + n;
+            Bs[t * LB + n] = t < len ? r[0] : 0.0f;
+            Cs[t * LB + n] = t < len ? r[G * N] : 0.0f;
+        }
+        if (warp == 0) {   /* dt = softplus(raw + bias), then cs: an inclusive scan over the lanes' pairs of steps */
+            float dt[2], la[2];
+#pragma unroll
+            for (int k = 0; k < 2; k++) {
+                int t = 2 * lane + k;
+                float raw = t < len ? proj[(size_t)(t0 + t) * ld_proj + dt_off + h] + bias : 0.0f;
+                dt[k] = t < len ? (raw > 20.0f ? raw : log1pf(__expf(raw))) : 0.0f;
+                la[k] = dt[k] * a;
+            }
+            float run = la[0] + la[1];
+            for (int o = 1; o < 32; o <<= 1) {
+                float v = __shfl_up_sync(0xffffffffu, run, o);
+                if (lane >= o) run += v;
+            }
+            float c0 = run - la[1], last = __shfl_sync(0xffffffffu, run, 31);
+            cs[2 * lane] = c0;
+            cs[2 * lane + 1] = run;
+            dts[2 * lane] = dt[0];
+            dts[2 * lane + 1] = dt[1];
+            ws[2 * lane] = __expf(last - c0) * dt[0];
+            ws[2 * lane + 1] = __expf(last - run) * dt[1];
+        }
+        __syncthreads();
+        /* M[t][s] = (C_t . B_s) exp(cs_t - cs_s) for s <= t, else 0: the 16x8 tiles on or below the diagonal */
+        for (int tile = warp; tile < (L / 16) * (L / 8); tile += SSD_WARPS) {
+            int rt = tile / (L / 8), nt = tile % (L / 8);
+            if (nt * 8 > rt * 16 + 15) continue;
+            float acc[4] = {};
+            const float *ca = Cs + (rt * 16 + gr) * LB, *bb = Bs + (nt * 8 + gr) * LB;
+#pragma unroll 4
+            for (int k = 0; k < N; k += 8) {
+                uint32_t af[4] = {tf32(ca[k + c]), tf32(ca[8 * LB + k + c]), tf32(ca[k + c + 4]), tf32(ca[8 * LB + k + c + 4])};
+                mma_tf32(acc, af, tf32(bb[k + c]), tf32(bb[k + c + 4]));
+            }
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int t = rt * 16 + gr + (e >> 1) * 8, s = nt * 8 + 2 * c + (e & 1);
+                Ms[t * LM + s] = s <= t ? acc[e] * __expf(cs[t] - cs[s]) : 0.0f;
+            }
+        }
+        __syncthreads();
+        /* y_t = M[t] (dt x) + (e^cs_t C_t) S0^T + D x_t: 16x8 tiles of [steps, channels] */
+        for (int tile = warp; tile < (L / 16) * (PB / 8); tile += SSD_WARPS) {
+            int rt = tile / (PB / 8), nt = tile % (PB / 8), t = rt * 16 + gr, p = nt * 8 + gr;
+            float acc[4] = {};
+            const float *ma = Ms + t * LM;
+            for (int k = 0; k < rt * 16 + 16; k += 8) {   /* steps s <= the tile's last t */
+                uint32_t af[4] = {tf32(ma[k + c]), tf32(ma[8 * LM + k + c]), tf32(ma[k + c + 4]), tf32(ma[8 * LM + k + c + 4])};
+                mma_tf32(acc, af, tf32(Xs[(k + c) * LX + p] * dts[k + c]), tf32(Xs[(k + c + 4) * LX + p] * dts[k + c + 4]));
+            }
+            float e0 = __expf(cs[t]), e1 = __expf(cs[t + 8]);
+            const float *ca = Cs + t * LB, *sb = Ss + p * LB;
+#pragma unroll 4
+            for (int k = 0; k < N; k += 8) {
+                uint32_t af[4] = {tf32(ca[k + c] * e0), tf32(ca[8 * LB + k + c] * e1), tf32(ca[k + c + 4] * e0),
+                                  tf32(ca[8 * LB + k + c + 4] * e1)};
+                mma_tf32(acc, af, tf32(sb[k + c]), tf32(sb[k + c + 4]));
+            }
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int tt = rt * 16 + gr + (e >> 1) * 8, pp = nt * 8 + 2 * c + (e & 1);
+                if (tt < len && p0 + pp < P) y[(size_t)(t0 + tt) * di + h * P + p0 + pp] = acc[e] + d * Xs[tt * LX + pp];
+            }
+        }
+        __syncthreads();   /* every read of S0 is done */
+        /* S = exp(cs_{L-1}) S0 + (w x)^T B: 16x8 tiles of [channels, N], each warp's own */
+        float el = __expf(cs[L - 1]);
+        for (int tile = warp; tile < (PB / 16) * (N / 8); tile += SSD_WARPS) {
+            int pt = tile / (N / 8), nt = tile % (N / 8), p = pt * 16 + gr, n = nt * 8 + 2 * c;
+            float *s0 = Ss + p * LB + n, *s1 = s0 + 8 * LB;
+            float acc[4] = {s0[0] * el, s0[1] * el, s1[0] * el, s1[1] * el};
+#pragma unroll 4
+            for (int k = 0; k < L; k += 8) {
+                float w0 = ws[k + c], w1 = ws[k + c + 4];
+                const float *x0 = Xs + (k + c) * LX + p, *x1 = Xs + (k + c + 4) * LX + p;
+                uint32_t af[4] = {tf32(x0[0] * w0), tf32(x0[8] * w0), tf32(x1[0] * w1), tf32(x1[8] * w1)};
+                mma_tf32(acc, af, tf32(Bs[(k + c) * LB + nt * 8 + gr]), tf32(Bs[(k + c + 4) * LB + nt * 8 + gr]));
+            }
+            s0[0] = acc[0]; s0[1] = acc[1]; s1[0] = acc[2]; s1[1] = acc[3];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < PB * N; i += blockDim.x) {
+        int p = i / N, n = i % N;
+        if (p0 + p < P) ssm[((size_t)h * P + p0 + p) * N + n] = Ss[p * LB + n];
+    }
+}
+
+/* Launches the SSD scan over T steps for H heads of P channels, state size N (same arguments as ssm_scan). */
+static void ssd_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
+                     const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di) {
+    auto k = N == 8 ? ssd_scan_kernel<8> : N == 16 ? ssd_scan_kernel<16> : N == 32 ? ssd_scan_kernel<32>
+           : N == 64 ? ssd_scan_kernel<64> : N == 128 ? ssd_scan_kernel<128> : ssd_scan_kernel<256>;
+    size_t smem = ssd_smem_floats(N) * sizeof(float);
+    CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    LAUNCH(dim3(H, cdiv(P, ssd_rows(N))), 32 * SSD_WARPS, smem, stream, k, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, H,
+           P, G, di);
+}
+
+/* ------------------------------------------------------------------------------------------------
  * Kernels: attention (no positional encoding, causal, GQA)
  * ---------------------------------------------------------------------------------------------- */
 
@@ -1320,8 +1489,12 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
         LAUNCH(cdiv(cv, 128), 128, 0, g->stream, conv_state_kernel, L->conv_st, g->proj + di, in, T, cv);
     }
     int gsize = di / s->groups, fold = gnorm_folds(T, s->m_heads, c->m_hdim, N, gsize);
-    ssm_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
-             s->groups, di, L->out.w, T == 1 ? warm_bytes(&L->out) : 0, fold ? L->gnorm : NULL, fold ? g->gss : NULL);
+    if (T > 1 && L->in_proj.bf)   /* a prompt of a bf16 model: the chunked scan; fp32 models keep the exact one */
+        ssd_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
+                 s->groups, di);
+    else
+        ssm_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
+                 s->groups, di, L->out.w, T == 1 ? warm_bytes(&L->out) : 0, fold ? L->gnorm : NULL, fold ? g->gss : NULL);
     GroupScale gs = {g->gss, s->m_heads / s->groups * scan_blocks(c->m_hdim, N), gsize, c->eps};
     if (!fold) {
         LAUNCH(T * s->groups, gated_norm_threads(gsize), 0, g->stream, gated_norm_kernel, g->y, g->proj, in, L->gnorm, di, gsize, c->eps);

@@ -270,6 +270,56 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
     free_rank(&gr);
 }
 
+/* ---- the chunked SSD scan (prompts of bf16 models) over several calls from a random state, then a
+ * decode step by the step-by-step scan from the state it left: outputs and state against float64,
+ * and against the step-by-step scan run beside it on the same inputs. TF32 operands: 5e-3. ---- */
+static void test_ssd(int H, int P, int G, int N, std::vector<int> steps) {
+    int di = H * P, cv = di + 2 * G * N, in = di + cv + H + 3;
+    std::vector<float> A(H), D = rand_vec(H), dtb(H), st0 = rand_vec((size_t)di * N);
+    for (int h = 0; h < H; h++) { A[h] = -(1.0f + 15.0f * (uni() + 1) / 2); dtb[h] = h % 3 ? -3.0f + uni() : -12.0f; }
+    std::vector<double> ssm(st0.begin(), st0.end());
+    float *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb), *d_ssd = dev_copy(st0), *d_ssm = dev_copy(st0);
+    int done = 0;
+    for (int T : steps) {
+        std::vector<float> proj = rand_vec((size_t)T * in), xbc = rand_vec((size_t)T * cv);
+        float *d_proj = dev_copy(proj), *d_xbc = dev_copy(xbc), *d_y = dev_copy(std::vector<float>((size_t)T * di, NAN));
+        float *d_y2 = dev_copy(std::vector<float>((size_t)T * di, NAN));
+        if (T > 1) ssd_scan(0, d_y, d_ssd, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
+        else ssm_scan(0, d_y, d_ssd, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, nullptr, 0, nullptr, nullptr);
+        ssm_scan(0, d_y2, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, nullptr, 0, nullptr, nullptr);
+        std::vector<double> y((size_t)T * di);
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < H; h++) {
+                int g = h / (H / G);
+                double raw = proj[(size_t)t * in + di + cv + h] + dtb[h], dt = raw > 20 ? raw : log1p(exp(raw)), dA = exp(dt * A[h]);
+                for (int p = 0; p < P; p++) {
+                    double xv = xbc[(size_t)t * cv + h * P + p], acc = 0;
+                    for (int n = 0; n < N; n++) {
+                        double &S = ssm[((size_t)h * P + p) * N + n];
+                        S = dA * S + dt * xv * xbc[(size_t)t * cv + di + g * N + n];
+                        acc += S * xbc[(size_t)t * cv + di + G * N + g * N + n];
+                    }
+                    y[(size_t)t * di + h * P + p] = acc + D[h] * xv;
+                }
+            }
+        std::vector<float> got = host_copy(d_y, y.size()), got_st = host_copy(d_ssd, ssm.size());
+        std::vector<float> scan = host_copy(d_y2, y.size()), scan_st = host_copy(d_ssm, ssm.size());
+        char what[160];
+        const char *how = T > 1 ? "SSD" : "step scan after SSD";
+        snprintf(what, sizeof what, "%s heads %d x %d, G %d, N %d, steps %d..%d: output", how, H, P, G, N, done, done + T - 1);
+        expect(what, got, y, 5e-3);
+        snprintf(what, sizeof what, "%s ... state after them", how);
+        expect(what, got_st, ssm, 5e-3);
+        snprintf(what, sizeof what, "%s ... output = the step-by-step scan's", how);
+        expect(what, got, std::vector<double>(scan.begin(), scan.end()), 5e-3);
+        snprintf(what, sizeof what, "%s ... state = the step-by-step scan's", how);
+        expect(what, got_st, std::vector<double>(scan_st.begin(), scan_st.end()), 5e-3);
+        for (float *p : {d_proj, d_xbc, d_y, d_y2}) CUDA_CHECK(cudaFree(p));
+        done += T;
+    }
+    for (float *p : {d_A, d_D, d_dtb, d_ssd, d_ssm}) CUDA_CHECK(cudaFree(p));
+}
+
 /* ---- attention: append to the cache (fp32 or bf16: KT), decode split along the sequence ---- */
 template <typename KT> static void test_attention(int q, int kv, int hd, int pos, int ctx) {
     int group = q / kv, kw = kv * hd, w = q * hd + 2 * kw, splits = attn_splits(ctx), bf = sizeof(KT) == 2;
@@ -473,7 +523,9 @@ static void time_scan(int H, int P, int G, int N, int T) {
     float *d_y = dev_copy(std::vector<float>((size_t)T * di)), *d_ssm = dev_copy(std::vector<float>((size_t)di * N));
     float *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb);
     float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, nullptr, 0, nullptr, nullptr); });
-    printf("# selective scan %d heads x %d, N %d, G %d, %d step%s: %.1f us\n", H, P, N, G, T, T > 1 ? "s" : "", us);
+    printf("# selective scan %d heads x %d, N %d, G %d, %d step%s: %.1f us", H, P, N, G, T, T > 1 ? "s" : "", us);
+    if (T > 1) printf(", chunked SSD %.1f us", time_us(0, 5, [&] { ssd_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di); }));
+    printf("\n");
     for (float *p : {d_proj, d_xbc, d_y, d_ssm, d_A, d_D, d_dtb}) CUDA_CHECK(cudaFree(p));
 }
 
@@ -537,6 +589,11 @@ int main(int argc, char **argv) {
     test_mamba(4, 12, 2, 256, {20, 1});
     test_mamba(2, 80, 1, 128, {40, 1});   /* P = 80: rows of one head across blocks */
     test_mamba(32, 64, 1, 64, {2, 1});    /* one group of 2048 channels for the gated norm */
+    test_ssd(6, 10, 2, 8, {37, 1, 64, 1});          /* the tiny-bf16 fixture's shape: one partial chunk, one whole */
+    test_ssd(8, 64, 2, 128, {130, 1, 200, 1});      /* nemotron-h-8b's head and state: chunks across calls */
+    test_ssd(4, 80, 1, 64, {65, 1});                /* P = 80: channels over two blocks, a chunk of one step at the end */
+    test_ssd(4, 12, 2, 256, {100, 1});              /* N = 256: 32 channels a block */
+    test_ssd(16, 64, 8, 32, {2, 1, 3});             /* two-step prompts */
     test_attention<float>(4, 2, 20, 0, 8);
     test_attention<float>(6, 3, 8, 7, 15);
     test_attention<float>(8, 2, 128, 300, 308);
