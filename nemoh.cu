@@ -719,7 +719,7 @@ __global__ void __launch_bounds__(32 * SSD_WARPS) ssd_scan_kernel(float *y, floa
                                                                  int ld_proj, int dt_off, const float *A, const float *D,
                                                                  const float *dt_bias, int T, int H, int P, int G, int di) {
     constexpr int L = SSD_L, PB = ssd_rows(N), LX = PB + 8, LB = N + 4, LM = L + 4;
-    static_assert(L == 64, "the decay scan below takes two steps a lane");
+    static_assert(L == 64 && L * N % (32 * SSD_WARPS) == 0, "the decay scan takes two steps a lane; loads whole rounds");
     extern __shared__ float4 ssd_sm4[];
     float *Xs = (float *)ssd_sm4, *Bs = Xs + L * LX, *Cs = Bs + L * LB, *Ms = Cs + L * LB, *Ss = Ms + L * LM;
     float *dts = Ss + PB * LB, *cs = dts + L, *ws = cs + L;   /* dt_s; cs_s; w_s = exp(cs_{L-1} - cs_s) dt_s */
@@ -734,14 +734,14 @@ __global__ void __launch_bounds__(32 * SSD_WARPS) ssd_scan_kernel(float *y, floa
     for (int t0 = 0; t0 < T; t0 += L) {
         int len = min(L, T - t0);
         __syncthreads();   /* the previous chunk is done with X, B, C, M, dt, cs, w; its state is written */
-#pragma unroll 4
-        for (int i = threadIdx.x; i < L * PB; i += blockDim.x) {
-            int t = i / PB, p = i % PB;
+#pragma unroll
+        for (int k = 0; k < L * PB / (32 * SSD_WARPS); k++) {
+            int i = threadIdx.x + k * 32 * SSD_WARPS, t = i / PB, p = i % PB;
             Xs[t * LX + p] = t < len && p0 + p < P ? xbc[(size_t)(t0 + t) * cv + h * P + p0 + p] : 0.0f;
         }
-#pragma unroll 4
-        for (int i = threadIdx.x; i < L * N; i += blockDim.x) {
-            int t = i / N, n = i % N;
+#pragma unroll 8
+        for (int k = 0; k < L * N / (32 * SSD_WARPS); k++) {
+            int i = threadIdx.x + k * 32 * SSD_WARPS, t = i / N, n = i % N;
             const float *r = xbc + (size_t)(t0 + t) * cv + di + g * N + n;
             Bs[t * LB + n] = t < len ? r[0] : 0.0f;
             Cs[t * LB + n] = t < len ? r[G * N] : 0.0f;
@@ -1048,8 +1048,10 @@ __global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(float *y, int ld
     int t_first = r0 / gl, t_last = min(T - 1, (r0 + FA_ROWS - 1) / gl), n_keys = pos + t_last + 1;
     bool vec = hd % 8 == 0;   /* rows of whole 16-byte pieces (and 32-byte ones of fp32): vector loads */
     pdl_wait();
-    for (int i = threadIdx.x; i < FA_ROWS * DT; i += FA_THREADS) {   /* Q rows; past the last token, zeros */
-        int r = i / DT, d = i % DT * 8, t = (r0 + r) / gl, h = kvh * gl + (r0 + r) % gl;
+    static_assert(FA_ROWS * DT % FA_THREADS == 0 && FA_KEYS * DT % FA_THREADS == 0, "tile loads: whole rounds of the block");
+#pragma unroll
+    for (int k = 0; k < FA_ROWS * DT / FA_THREADS; k++) {   /* Q rows; past the last token, zeros */
+        int i = threadIdx.x + k * FA_THREADS, r = i / DT, d = i % DT * 8, t = (r0 + r) / gl, h = kvh * gl + (r0 + r) % gl;
         uint4 v = t < T ? load8_bf16(q + (size_t)t * ldq + h * hd + d, hd - d, vec && d < hd) : make_uint4(0, 0, 0, 0);
         *(uint4 *)&Qs[r * LDS + d] = v;
     }
@@ -1058,8 +1060,9 @@ __global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(float *y, int ld
     float o[DT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0, 0};
     for (int j0 = 0; j0 < n_keys; j0 += FA_KEYS) {
         __syncthreads();   /* the previous tile's reads are done */
-        for (int i = threadIdx.x; i < FA_KEYS * DT; i += FA_THREADS) {
-            int r = i / DT, d = i % DT * 8, j = j0 + r;
+#pragma unroll 4   /* eight loads in flight before their stores */
+        for (int k = 0; k < FA_KEYS * DT / FA_THREADS; k++) {
+            int i = threadIdx.x + k * FA_THREADS, r = i / DT, d = i % DT * 8, j = j0 + r;
             size_t at = (size_t)j * kw + kvh * hd + d;
             bool in = j < n_keys;
             *(uint4 *)&Ks[r * LDS + d] = in ? load8_bf16(kc + at, hd - d, vec && d < hd) : make_uint4(0, 0, 0, 0);
