@@ -529,6 +529,19 @@ static void time_scan(int H, int P, int G, int N, int T) {
     for (float *p : {d_proj, d_xbc, d_y, d_ssm, d_A, d_D, d_dtb}) CUDA_CHECK(cudaFree(p));
 }
 
+/* Not a check: prompt attention's time for T tokens from position pos (a bf16 cache of pos + T keys),
+ * and the rate that makes of its useful products (4 hd flops a visible query-key pair). */
+static void time_prompt_attention(int q, int kv, int hd, int pos, int T) {
+    int kw = kv * hd, w = q * hd + 2 * kw;
+    bf16 *d_k = dev_copy_as<bf16>(rand_vec((size_t)(pos + T) * kw)), *d_v = dev_copy_as<bf16>(rand_vec((size_t)(pos + T) * kw));
+    float *d_qkv = dev_copy(rand_vec((size_t)T * w)), *d_y = dev_copy(std::vector<float>((size_t)T * q * hd));
+    float us = time_us(0, 5, [&] { attn_prompt(0, d_y, q * hd, d_qkv, w, d_k, d_v, kw, hd, q / kv, kv, T, pos, 0.088f); });
+    double pairs = (double)q * T * (pos + (T + 1) / 2.0);
+    printf("# prompt attention q %d / kv %d, head %d, %d tokens from %d: %.1f us, %.0f TFLOP/s\n", q, kv, hd, T, pos, us,
+           pairs * 4 * hd / (us * 1e6));
+    for (void *p : {(void *)d_k, (void *)d_v, (void *)d_qkv, (void *)d_y}) CUDA_CHECK(cudaFree(p));
+}
+
 /* Not a check: the sampler's time over V logits (peaked or flat, as above), greedy and top-p. */
 static void time_sample(int V, int peaked) {
     float *dl = dev_copy(sampling_logits(V, peaked)), *dp = dev_copy(std::vector<float>(V));
@@ -628,6 +641,9 @@ int main(int argc, char **argv) {
     time_sample(131072, 1);
     time_sample(131072, 0);
     time_scan(128, 64, 8, 128, 2048);
+    time_scan(128, 80, 8, 128, 2048);   /* nemotron-nano-9b-v2 */
+    time_prompt_attention(32, 8, 128, 0, 2048);       /* nemotron-h-8b, a 2048-token prompt */
+    time_prompt_attention(40, 8, 128, 30720, 2048);   /* nemotron-nano-9b-v2, the last chunk of 32768 */
     time_scan(128, 64, 8, 128, 1);
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
