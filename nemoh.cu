@@ -715,7 +715,7 @@ static constexpr int ssd_smem_floats(int N) {
 }
 
 template <int N>
-__global__ void __launch_bounds__(32 * SSD_WARPS) ssd_scan_kernel(float *y, float *ssm, const float *xbc, const float *proj,
+__global__ void __launch_bounds__(32 * SSD_WARPS, 1) ssd_scan_kernel(float *y, float *ssm, const float *xbc, const float *proj,
                                                                  int ld_proj, int dt_off, const float *A, const float *D,
                                                                  const float *dt_bias, int T, int H, int P, int G, int di) {
     constexpr int L = SSD_L, PB = ssd_rows(N), LX = PB + 8, LB = N + 4, LM = L + 4;
@@ -769,45 +769,58 @@ __global__ void __launch_bounds__(32 * SSD_WARPS) ssd_scan_kernel(float *y, floa
             ws[2 * lane + 1] = __expf(last - run) * dt[1];
         }
         __syncthreads();
-        /* M[t][s] = (C_t . B_s) exp(cs_t - cs_s) for s <= t, else 0: the 16x8 tiles on or below the diagonal */
-        for (int tile = warp; tile < (L / 16) * (L / 8); tile += SSD_WARPS) {
-            int rt = tile / (L / 8), nt = tile % (L / 8);
-            if (nt * 8 > rt * 16 + 15) continue;
-            float acc[4] = {};
+        /* M[t][s] = (C_t . B_s) exp(cs_t - cs_s) for s <= t, else 0: the 16x8 tiles on or below the diagonal,
+           (rt + 1) * 2 of them in row tile rt, numbered row by row and dealt round the warps */
+        for (int tile = warp; tile < (L / 16) * (L / 16 + 1); tile += SSD_WARPS) {
+            int rt = 0;
+            while ((rt + 1) * (rt + 2) <= tile) rt++;
+            int nt = tile - rt * (rt + 1);
+            float acc[2][4] = {};
             const float *ca = Cs + (rt * 16 + gr) * LB, *bb = Bs + (nt * 8 + gr) * LB;
-#pragma unroll 4
-            for (int k = 0; k < N; k += 8) {
+            auto step = [&](float (&d)[4], int k) {
                 uint32_t af[4] = {tf32(ca[k + c]), tf32(ca[8 * LB + k + c]), tf32(ca[k + c + 4]), tf32(ca[8 * LB + k + c + 4])};
-                mma_tf32(acc, af, tf32(bb[k + c]), tf32(bb[k + c + 4]));
+                mma_tf32(d, af, tf32(bb[k + c]), tf32(bb[k + c + 4]));
+            };
+#pragma unroll 2
+            for (int k = 0; k < N; k += 16) {   /* two chains of products, even and odd steps, to halve the wait */
+                step(acc[0], k);
+                if (N > 8) step(acc[1], k + 8);
             }
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int t = rt * 16 + gr + (e >> 1) * 8, s = nt * 8 + 2 * c + (e & 1);
-                Ms[t * LM + s] = s <= t ? acc[e] * __expf(cs[t] - cs[s]) : 0.0f;
+                Ms[t * LM + s] = s <= t ? (acc[0][e] + acc[1][e]) * __expf(cs[t] - cs[s]) : 0.0f;
             }
         }
         __syncthreads();
         /* y_t = M[t] (dt x) + (e^cs_t C_t) S0^T + D x_t: 16x8 tiles of [steps, channels] */
         for (int tile = warp; tile < (L / 16) * (PB / 8); tile += SSD_WARPS) {
             int rt = tile / (PB / 8), nt = tile % (PB / 8), t = rt * 16 + gr, p = nt * 8 + gr;
-            float acc[4] = {};
-            const float *ma = Ms + t * LM;
-            for (int k = 0; k < rt * 16 + 16; k += 8) {   /* steps s <= the tile's last t */
+            float acc[2][4] = {}, e0 = __expf(cs[t]), e1 = __expf(cs[t + 8]);
+            const float *ma = Ms + t * LM, *ca = Cs + t * LB, *sb = Ss + p * LB;
+            auto step_m = [&](float (&d)[4], int k) {
                 uint32_t af[4] = {tf32(ma[k + c]), tf32(ma[8 * LM + k + c]), tf32(ma[k + c + 4]), tf32(ma[8 * LM + k + c + 4])};
-                mma_tf32(acc, af, tf32(Xs[(k + c) * LX + p] * dts[k + c]), tf32(Xs[(k + c + 4) * LX + p] * dts[k + c + 4]));
-            }
-            float e0 = __expf(cs[t]), e1 = __expf(cs[t + 8]);
-            const float *ca = Cs + t * LB, *sb = Ss + p * LB;
-#pragma unroll 4
-            for (int k = 0; k < N; k += 8) {
+                mma_tf32(d, af, tf32(Xs[(k + c) * LX + p] * dts[k + c]), tf32(Xs[(k + c + 4) * LX + p] * dts[k + c + 4]));
+            };
+            auto step_s = [&](float (&d)[4], int k) {
                 uint32_t af[4] = {tf32(ca[k + c] * e0), tf32(ca[8 * LB + k + c] * e1), tf32(ca[k + c + 4] * e0),
                                   tf32(ca[8 * LB + k + c + 4] * e1)};
-                mma_tf32(acc, af, tf32(sb[k + c]), tf32(sb[k + c + 4]));
+                mma_tf32(d, af, tf32(sb[k + c]), tf32(sb[k + c + 4]));
+            };
+            for (int k = 0; k < rt * 16 + 16; k += 16) {   /* steps s <= the tile's last t */
+                step_m(acc[0], k);
+                step_m(acc[1], k + 8);
+            }
+#pragma unroll 2
+            for (int k = 0; k < N; k += 16) {
+                step_s(acc[0], k);
+                if (N > 8) step_s(acc[1], k + 8);
             }
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int tt = rt * 16 + gr + (e >> 1) * 8, pp = nt * 8 + 2 * c + (e & 1);
-                if (tt < len && p0 + pp < P) y[(size_t)(t0 + tt) * di + h * P + p0 + pp] = acc[e] + d * Xs[tt * LX + pp];
+                if (tt < len && p0 + pp < P)
+                    y[(size_t)(t0 + tt) * di + h * P + p0 + pp] = acc[0][e] + acc[1][e] + d * Xs[tt * LX + pp];
             }
         }
         __syncthreads();   /* every read of S0 is done */
@@ -816,15 +829,19 @@ __global__ void __launch_bounds__(32 * SSD_WARPS) ssd_scan_kernel(float *y, floa
         for (int tile = warp; tile < (PB / 16) * (N / 8); tile += SSD_WARPS) {
             int pt = tile / (N / 8), nt = tile % (N / 8), p = pt * 16 + gr, n = nt * 8 + 2 * c;
             float *s0 = Ss + p * LB + n, *s1 = s0 + 8 * LB;
-            float acc[4] = {s0[0] * el, s0[1] * el, s1[0] * el, s1[1] * el};
-#pragma unroll 4
-            for (int k = 0; k < L; k += 8) {
+            float acc[2][4] = {{s0[0] * el, s0[1] * el, s1[0] * el, s1[1] * el}, {}};
+            auto step = [&](float (&d)[4], int k) {
                 float w0 = ws[k + c], w1 = ws[k + c + 4];
                 const float *x0 = Xs + (k + c) * LX + p, *x1 = Xs + (k + c + 4) * LX + p;
                 uint32_t af[4] = {tf32(x0[0] * w0), tf32(x0[8] * w0), tf32(x1[0] * w1), tf32(x1[8] * w1)};
-                mma_tf32(acc, af, tf32(Bs[(k + c) * LB + nt * 8 + gr]), tf32(Bs[(k + c + 4) * LB + nt * 8 + gr]));
+                mma_tf32(d, af, tf32(Bs[(k + c) * LB + nt * 8 + gr]), tf32(Bs[(k + c + 4) * LB + nt * 8 + gr]));
+            };
+#pragma unroll
+            for (int k = 0; k < L; k += 16) {
+                step(acc[0], k);
+                step(acc[1], k + 8);
             }
-            s0[0] = acc[0]; s0[1] = acc[1]; s1[0] = acc[2]; s1[1] = acc[3];
+            s0[0] = acc[0][0] + acc[1][0]; s0[1] = acc[0][1] + acc[1][1]; s1[0] = acc[0][2] + acc[1][2]; s1[1] = acc[0][3] + acc[1][3];
         }
     }
     __syncthreads();
