@@ -684,16 +684,16 @@ static int gated_norm_threads(int gsize) { return std::min(1024, (cdiv(gsize, GN
  * the recurrence S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T, y_t = S_t C_t + D x_t unrolls to
  *   y_t = sum_{s<=t} exp(cs_t - cs_s) (C_t . B_s) dt_s x_s + exp(cs_t) S0 C_t + D x_t
  *   S_L = exp(cs_{L-1}) S0 + sum_s exp(cs_{L-1} - cs_s) dt_s x_s B_s^T
- * three matrix products a chunk (M = (C B^T) masked and decayed, M (dt x), (e^cs C) S0^T, (w x)^T B),
+ * four matrix products a chunk (M = (C B^T) masked and decayed, M (dt x), (e^cs C) S0^T, (w x)^T B),
  * done on the tensor cores in TF32 (fp32 operands rounded to 10 mantissa bits, fp32 accumulators);
  * the state stays fp32 in shared memory, and the chunks follow each other in fp32. Block (head h,
- * PB channels of it), eight warps, each taking 16x8 output tiles of a product in turn; chunk inputs
- * past the last step are zeros (dt = 0 too, so they neither decay nor add). The state is read at the
- * start and written back at the end: the next prompt chunk, or the decode's step-by-step scan,
- * continues from it. L = 64 keeps the chunk's B, C, M and the state within shared memory at N = 128
- * (PB halves at N = 256). */
-enum { SSD_L = 64, SSD_WARPS = 8 };
-__host__ __device__ constexpr int ssd_rows(int N) { return N >= 256 ? 32 : 64; }
+ * SSD_ROWS channels of it), eight warps, each taking 16x8 output tiles of a product in turn; chunk
+ * inputs past the last step are zeros (dt = 0 too, so they neither decay nor add). The state is read
+ * at the start and written back at the end: the next prompt chunk, or the decode's step-by-step scan,
+ * continues from it. L = 64 keeps the chunk's B, C, M and the state within shared memory up to
+ * N = 256. 32 channels a block, not a head's 64: a block per SM (at N = 128) left 8 warps to hide
+ * every product's latency, and a head's blocks each redo only C B^T. */
+enum { SSD_L = 64, SSD_WARPS = 8, SSD_ROWS = 32 };
 
 __device__ __forceinline__ uint32_t tf32(float x) {
     uint32_t r;
@@ -708,17 +708,17 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/* Shared memory of ssd_scan_kernel<N>, in floats: X [L][PB + 8], B and C [L][N + 4], M [L][L + 4],
- * S [PB][N + 4], dt, cs and w [L] (the pads spread a fragment's rows over the banks). */
+/* Shared memory of ssd_scan_kernel<N>, in floats: X [L][SSD_ROWS + 8], B and C [L][N + 4], M [L][L + 4],
+ * S [SSD_ROWS][N + 4], dt, cs and w [L] (the pads spread a fragment's rows over the banks). */
 static constexpr int ssd_smem_floats(int N) {
-    return SSD_L * (ssd_rows(N) + 8) + 2 * SSD_L * (N + 4) + SSD_L * (SSD_L + 4) + ssd_rows(N) * (N + 4) + 3 * SSD_L;
+    return SSD_L * (SSD_ROWS + 8) + 2 * SSD_L * (N + 4) + SSD_L * (SSD_L + 4) + SSD_ROWS * (N + 4) + 3 * SSD_L;
 }
 
 template <int N>
-__global__ void __launch_bounds__(32 * SSD_WARPS, 1) ssd_scan_kernel(float *y, float *ssm, const float *xbc, const float *proj,
+__global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(float *y, float *ssm, const float *xbc, const float *proj,
                                                                  int ld_proj, int dt_off, const float *A, const float *D,
                                                                  const float *dt_bias, int T, int H, int P, int G, int di) {
-    constexpr int L = SSD_L, PB = ssd_rows(N), LX = PB + 8, LB = N + 4, LM = L + 4;
+    constexpr int L = SSD_L, PB = SSD_ROWS, LX = PB + 8, LB = N + 4, LM = L + 4;
     static_assert(L == 64 && L * N % (32 * SSD_WARPS) == 0, "the decay scan takes two steps a lane; loads whole rounds");
     extern __shared__ float4 ssd_sm4[];
     float *Xs = (float *)ssd_sm4, *Bs = Xs + L * LX, *Cs = Bs + L * LB, *Ms = Cs + L * LB, *Ss = Ms + L * LM;
@@ -858,7 +858,7 @@ static void ssd_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc
            : N == 64 ? ssd_scan_kernel<64> : N == 128 ? ssd_scan_kernel<128> : ssd_scan_kernel<256>;
     size_t smem = ssd_smem_floats(N) * sizeof(float);
     CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    LAUNCH(dim3(H, cdiv(P, ssd_rows(N))), 32 * SSD_WARPS, smem, stream, k, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, H,
+    LAUNCH(dim3(H, cdiv(P, SSD_ROWS)), 32 * SSD_WARPS, smem, stream, k, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, H,
            P, G, di);
 }
 
