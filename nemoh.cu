@@ -1024,9 +1024,10 @@ typedef struct {
 
 /* out[i] = sum over the segments s of W_s[i] . x_s (the up kernel already weighed the routed inputs).
  * wpr warps a row, as gemv_kernel. The router ran two kernels back, so the weights a row reads are
- * known before the wait: every lane asks L2 for its share of the row's lines, then the segments are
- * dotted one after another, their loads mostly hitting L2. Blocks from warm_from on warm L2 for the
- * next product, as gemv_kernel's last wave does. */
+ * known before the wait: its first segment is asked of L2 then; after it, each segment's lines are
+ * asked for while the one before is dotted (one segment ahead, not the whole row: a wave's rows of
+ * every chosen expert would not fit in L2). Blocks from warm_from on warm L2 for the next product,
+ * as gemv_kernel's last wave does. */
 template <int BF>
 __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) moe_down_kernel(float *out, int rows, const int *idx, MoeDown md, int wpr,
                                                                       const void *warm, size_t warm_n, int warm_from) {
@@ -1047,12 +1048,15 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) moe_down_kernel(float *ou
     __syncthreads();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr, first = part * 32 + lane, st = 32 * wpr;
     int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr;
-    if (row < rows)
-        for (int j = 0; j < n; j++) l2_row(base[j] + (size_t)row * lds[j] * es, (size_t)cols[j] * es, first, st);
+    auto seg = [&](int j) { return base[j] + (size_t)row * lds[j] * es; };
+    if (row < rows && n) l2_row(seg(0), (size_t)cols[0] * es, first, st);
     pdl_wait();
     float acc = 0;
     if (row < rows)
-        for (int j = 0; j < n; j++) acc += row_dot<BF>(base[j] + (size_t)row * lds[j] * es, xs[j], cols[j], first, st);
+        for (int j = 0; j < n; j++) {
+            if (j + 1 < n) l2_row(seg(j + 1), (size_t)cols[j + 1] * es, first, st);
+            acc += row_dot<BF>(seg(j), xs[j], cols[j], first, st);
+        }
     acc = warp_sum(acc);
     if ((int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
     if (wpr > 1) {
