@@ -943,8 +943,8 @@ __global__ void __launch_bounds__(ROUTE_THREADS) moe_select_kernel(int *idx, flo
     moe_select(idx + t * rt.K, wt + t * rt.K, logits + t * rt.E, bias, rt);
 }
 
-/* Asks L2 for the n bytes at p, lane `first` of `st` taking every st-th 128-byte line: a row's lines
- * all on their way at once, however many matrices the row spans. */
+/* Asks L2 for the n bytes at p, lane `first` of `st` taking every st-th 128-byte line: all of a row's
+ * lines on their way at once, while the lanes' loads take them in order. */
 __device__ __forceinline__ void l2_row(const char *p, size_t n, int first, int st) {
     const char *a = (const char *)((uintptr_t)p & ~(uintptr_t)127);
     n += p - a;
