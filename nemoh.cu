@@ -858,7 +858,7 @@ typedef struct {
  * experts that beat it), so the choice is a function of the logits alone: every tensor-parallel rank,
  * given the same reduced input, picks the same experts in the same order. */
 __device__ void moe_select(int *idx, float *wt, const float *l, const float *bias, MoeRoute rt) {
-    __shared__ float s[MOE_MAX_EXPERTS], c[MOE_MAX_EXPERTS], gs[MOE_MAX_EXPERTS];
+    __shared__ float s[MOE_MAX_EXPERTS], c[MOE_MAX_EXPERTS];
     __shared__ int pick[MOE_MAX_TOPK];
     int per = rt.E / rt.n_group;
     for (int e = threadIdx.x; e < rt.E; e += blockDim.x) {
@@ -867,23 +867,26 @@ __device__ void moe_select(int *idx, float *wt, const float *l, const float *bia
         c[e] = v + bias[e];
     }
     __syncthreads();
-    for (int g = threadIdx.x; g < rt.n_group; g += blockDim.x) {
-        float m1 = -INFINITY, m2 = -INFINITY;
-        for (int e = g * per; e < (g + 1) * per; e++) {
-            if (c[e] > m1) { m2 = m1; m1 = c[e]; } else if (c[e] > m2) m2 = c[e];
+    if (rt.n_group > 1) {   /* (with one group, every expert competes) */
+        __shared__ float gs[MOE_MAX_EXPERTS];
+        __shared__ int kept[MOE_MAX_EXPERTS];
+        for (int g = threadIdx.x; g < rt.n_group; g += blockDim.x) {
+            float m1 = -INFINITY, m2 = -INFINITY;
+            for (int e = g * per; e < (g + 1) * per; e++) {
+                if (c[e] > m1) { m2 = m1; m1 = c[e]; } else if (c[e] > m2) m2 = c[e];
+            }
+            gs[g] = per > 1 ? m1 + m2 : m1;
         }
-        gs[g] = per > 1 ? m1 + m2 : m1;
+        __syncthreads();
+        for (int g = threadIdx.x; g < rt.n_group; g += blockDim.x) {
+            int rank = 0;
+            for (int h = 0; h < rt.n_group; h++) rank += gs[h] > gs[g] || (gs[h] == gs[g] && h < g);
+            kept[g] = rank < rt.topk_group;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < rt.E; e += blockDim.x) if (!kept[e / per]) c[e] = -INFINITY;
+        __syncthreads();
     }
-    __syncthreads();
-    __shared__ int kept[MOE_MAX_EXPERTS];
-    for (int g = threadIdx.x; g < rt.n_group; g += blockDim.x) {
-        int rank = 0;
-        for (int h = 0; h < rt.n_group; h++) rank += gs[h] > gs[g] || (gs[h] == gs[g] && h < g);
-        kept[g] = rank < rt.topk_group;
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < rt.E; e += blockDim.x) if (!kept[e / per]) c[e] = -INFINITY;
-    __syncthreads();
     for (int e = threadIdx.x; e < rt.E; e += blockDim.x) {
         int rank = 0;
         for (int f = 0; f < rt.E; f++) rank += c[f] > c[e] || (c[f] == c[e] && f < e);
