@@ -7,8 +7,8 @@
  * window + LSA barrier).
  *
  * Sections: error checks, device structs, kernels (elementwise and norms, the fused all-reduce, the
- * matrix-vector product, Mamba2, attention, prompt attention, sampling), matrix products, the backend operations,
- * setup and teardown, benchmarks. */
+ * matrix-vector product, Mamba2, attention, prompt attention, mixture of experts, sampling), matrix
+ * products, the backend operations (the mixture-of-experts layer last), setup and teardown, benchmarks. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -90,6 +90,11 @@ typedef struct {
     GMat qkv;                   /* [(q + 2 kv) * head_dim, hidden] q, k, v rows of this rank */
     GMat o;                     /* [hidden, q * head_dim] */
     GMat up, down;              /* [mlp, hidden], [hidden, mlp] */
+    float *gate, *gate_bias;    /* [n_experts, hidden] fp32 router, [n_experts] its choice bias */
+    GMat eup;                   /* [n_experts * moe, d] every expert's up rows of this rank, expert e's from row e * moe */
+    GMat edown;                 /* [n_experts * d, moe] every expert's down columns, expert e's from row e * d */
+    GMat sup, sdown;            /* [shared, hidden], [hidden, shared] the shared expert's rows and columns */
+    GMat lat_in, lat_out;       /* [latent, hidden] fc1, [hidden, latent] fc2 (latent MoE; rows 0 without) */
     float *conv_st;             /* [conv, 3] last conv inputs, oldest first */
     float *ssm;                 /* [m_heads, m_hdim, d_state] fp32 state */
     void *k, *v;                /* [ctx, kv * head_dim] cache in the weights' dtype: bf16 if qkv.bf, else fp32 */
@@ -131,6 +136,18 @@ typedef struct {
     int *pos;                   /* [1] position of the step's first token */
     int *sampled;               /* [1] the sampled token */
     int *host_io;               /* [t_max + 2] pinned staging: tokens, position, sampled */
+    int *moe_idx;               /* [t_max, top_k] chosen experts of each token, best first */
+    float *moe_w;               /* [t_max, top_k] their weights */
+    float *moe_logits;          /* [t_max, n_experts] router logits */
+    unsigned *moe_done;         /* [1] decode router blocks finished (the last one chooses, then resets it) */
+    int *moe_off;               /* [n_experts + 1] prompt: first row of each expert's (token, slot) pairs */
+    int *moe_tok, *moe_row;     /* [t_max * top_k] a row's token; a pair's row */
+    int *host_off;              /* [n_experts + 1] pinned copy of moe_off */
+    void *moe_act;              /* [t_max * top_k, moe_lda] experts' input rows, bf16 or fp32 */
+    float *moe_h;               /* [t_max * top_k, moe] up outputs (decode: [top_k * pad8(moe) + shared]) */
+    float *moe_y;               /* [t_max * top_k, d] routed outputs, a row a pair */
+    float *moe_z, *moe_ylat;    /* [t_max, latent] fc1 output; weighted routed sum before fc2 */
+    int moe_lda;                /* row stride of moe_act: max(d, moe) rounded up to 8 */
     int rows;                   /* logits rows the last step wrote */
     int proj_w, y_w, act_w, splits;
     int gemv_slots;             /* gemv_kernel blocks the GPU holds at once (per SM x SMs) */
@@ -1226,6 +1243,298 @@ static void attn_prompt(cudaStream_t stream, float *y, int ldy, const float *q, 
 }
 
 /* ------------------------------------------------------------------------------------------------
+ * Kernels: mixture of experts (the router, the chosen experts' products for one token, a prompt's
+ * tokens grouped by expert)
+ * ---------------------------------------------------------------------------------------------- */
+
+/* What the kernels below hold in shared memory (checked at setup). */
+enum { MOE_MAX_EXPERTS = 1024, MOE_MAX_TOPK = 32, MOE_SEGS = MOE_MAX_TOPK + 2, ROUTE_THREADS = 256, ROUTE_PER = 4 };
+
+/* The router's rule, as transformers' NemotronHMoE.route_tokens_to_experts applies it. */
+typedef struct {
+    int E, K;                   /* routed experts, experts chosen per token */
+    int n_group, topk_group;    /* groups of E / n_group consecutive experts, groups kept */
+    int norm;                   /* 1: the chosen weights are divided by their sum + 1e-20 */
+    float scale;                /* routed_scaling_factor, applied last */
+} MoeRoute;
+
+/* One token's choice, by the whole block, from its router logits l[E]:
+ *   s = sigmoid(l);  c = s + bias;  a group scores the sum of its two largest c;  the topk_group best
+ *   groups stay, the others' experts compete as -inf;  idx = the K largest c, best first;
+ *   wt = s[idx] (/ (sum + 1e-20) if norm) * scale.
+ * Ties go to the lower index. Ranks are counted, not sorted (an expert's slot is the number of
+ * experts that beat it), so the choice is a function of the logits alone: every tensor-parallel rank,
+ * given the same reduced input, picks the same experts in the same order. */
+__device__ void moe_select(int *idx, float *wt, const float *l, const float *bias, MoeRoute rt) {
+    __shared__ float s[MOE_MAX_EXPERTS], c[MOE_MAX_EXPERTS];
+    __shared__ int pick[MOE_MAX_TOPK];
+    int per = rt.E / rt.n_group;
+    for (int e = threadIdx.x; e < rt.E; e += blockDim.x) {
+        float v = 1.0f / (1.0f + expf(-__ldcg(l + e)));   /* __ldcg: other blocks may have written l (see moe_route_kernel) */
+        s[e] = v;
+        c[e] = v + bias[e];
+    }
+    __syncthreads();
+    if (rt.n_group > 1) {   /* (with one group, every expert competes) */
+        __shared__ float gs[MOE_MAX_EXPERTS];
+        __shared__ int kept[MOE_MAX_EXPERTS];
+        for (int g = threadIdx.x; g < rt.n_group; g += blockDim.x) {
+            float m1 = -INFINITY, m2 = -INFINITY;
+            for (int e = g * per; e < (g + 1) * per; e++) {
+                if (c[e] > m1) { m2 = m1; m1 = c[e]; } else if (c[e] > m2) m2 = c[e];
+            }
+            gs[g] = per > 1 ? m1 + m2 : m1;
+        }
+        __syncthreads();
+        for (int g = threadIdx.x; g < rt.n_group; g += blockDim.x) {
+            int rank = 0;
+            for (int h = 0; h < rt.n_group; h++) rank += gs[h] > gs[g] || (gs[h] == gs[g] && h < g);
+            kept[g] = rank < rt.topk_group;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < rt.E; e += blockDim.x) if (!kept[e / per]) c[e] = -INFINITY;
+        __syncthreads();
+    }
+    for (int e = threadIdx.x; e < rt.E; e += blockDim.x) {
+        int rank = 0;
+        for (int f = 0; f < rt.E; f++) rank += c[f] > c[e] || (c[f] == c[e] && f < e);
+        if (rank < rt.K) pick[rank] = e;
+    }
+    __syncthreads();
+    if (threadIdx.x < rt.K) {
+        float sum = 0, w = s[pick[threadIdx.x]];
+        for (int k = 0; k < rt.K; k++) sum += s[pick[k]];
+        if (rt.norm) w /= sum + 1e-20f;
+        idx[threadIdx.x] = pick[threadIdx.x];
+        wt[threadIdx.x] = w * rt.scale;
+    }
+}
+
+/* Decode's router in one launch: block e dots gate row e (fp32, its whole row in flight before the
+ * wait) with x; the last block to finish (a counter, which it resets for the next step) chooses from
+ * all E logits. The choice stays on the GPU: the step needs no host round trip and stays one graph. */
+__global__ void __launch_bounds__(ROUTE_THREADS) moe_route_kernel(int *idx, float *wt, float *logits, unsigned *done,
+                                                                 const float *gate, const float *bias, const float *x, int H,
+                                                                 MoeRoute rt) {
+    const uint4 *w = (const uint4 *)(gate + (size_t)blockIdx.x * H);
+    int nvec = H / 4;   /* H is a multiple of 8 (setup) */
+    uint4 a[ROUTE_PER];
+#pragma unroll
+    for (int k = 0; k < ROUTE_PER; k++) {
+        int v = threadIdx.x + k * ROUTE_THREADS;
+        a[k] = v < nvec ? ld_stream(w + v) : make_uint4(0, 0, 0, 0);
+    }
+    pdl_wait();
+    float acc = 0;
+#pragma unroll
+    for (int k = 0; k < ROUTE_PER; k++) {
+        int v = threadIdx.x + k * ROUTE_THREADS;
+        if (v < nvec) acc += dot16(a[k], x + 4 * v, 0);
+    }
+    for (int v = threadIdx.x + ROUTE_PER * ROUTE_THREADS; v < nvec; v += ROUTE_THREADS) acc += dot16(ld_stream(w + v), x + 4 * v, 0);
+    acc = block_sum(acc);
+    __shared__ int last;
+    if (threadIdx.x == 0) {
+        logits[blockIdx.x] = acc;
+        __threadfence();   /* the logit is visible before the count says so */
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    moe_select(idx, wt, logits, bias, rt);
+    if (threadIdx.x == 0) *done = 0;
+}
+
+/* A prompt's choices, a block per token, from logits cuBLAS computed. */
+__global__ void __launch_bounds__(ROUTE_THREADS) moe_select_kernel(int *idx, float *wt, const float *logits, const float *bias,
+                                                                  MoeRoute rt) {
+    pdl_wait();
+    size_t t = blockIdx.x;
+    moe_select(idx + t * rt.K, wt + t * rt.K, logits + t * rt.E, bias, rt);
+}
+
+/* Asks L2 for the n bytes at p, lane `first` of `st` taking every st-th 128-byte line: all of a row's
+ * lines on their way at once, while the lanes' loads take them in order. */
+__device__ __forceinline__ void l2_row(const char *p, size_t n, int first, int st) {
+    const char *a = (const char *)((uintptr_t)p & ~(uintptr_t)127);
+    n += p - a;
+    for (size_t off = (size_t)first * 128; off < n; off += (size_t)st * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(a + off));
+}
+
+/* This lane's part of row . x over `cols` elements (BF: bf16, else fp32): its 16-byte pieces first,
+ * first + st, ..., four loads in flight, then the elements past the last whole piece. The row is
+ * 16-byte aligned, and so is x. */
+template <int BF> __device__ __forceinline__ float row_dot(const char *row, const float *x, int cols, int first, int st) {
+    constexpr int per = BF ? 8 : 4;
+    const uint4 *w = (const uint4 *)row;
+    int nvec = cols / per, c = first;
+    float acc = 0;
+    for (; c + 3 * st < nvec; c += 4 * st) {
+        uint4 a = ld_stream(w + c), b = ld_stream(w + c + st), d = ld_stream(w + c + 2 * st), e = ld_stream(w + c + 3 * st);
+        acc += dot16(a, x + c * per, BF) + dot16(b, x + (c + st) * per, BF) + dot16(d, x + (c + 2 * st) * per, BF) +
+               dot16(e, x + (c + 3 * st) * per, BF);
+    }
+    for (; c < nvec; c += st) acc += dot16(ld_stream(w + c), x + c * per, BF);
+    for (int k = nvec * per + first; k < cols; k += st)
+        acc += (BF ? __bfloat162float(((const bf16 *)row)[k]) : ((const float *)row)[k]) * x[k];
+    return acc;
+}
+
+/* Decode, every chosen expert's up product and the shared expert's in one launch. Virtual row r of
+ * [S | K m] (S shared rows, m rows of each routed expert on this rank) is shared row r, on x, or row
+ * i = (r - S) % m of the expert in slot j = (r - S) / m, on z (x, or fc1's latent):
+ *   h[K mp + r] = relu(sup[r] . x)^2,   h[j mp + i] = wt[j] relu(up_{idx[j]}[i] . z)^2
+ * (mp: m rounded up to 8, so each slot's part of h starts 16-byte aligned for moe_down_kernel).
+ * A warp a row. The shared rows, first, ask L2 for their weights before the wait; the routed rows
+ * learn their expert after it (the router may be the kernel just before). */
+template <int BF>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, 16) moe_up_kernel(float *h, const int *idx, const float *wt,
+                                                                    const void *eup, int ld_e, const float *z, int d, int m,
+                                                                    int K, const void *sup, int ld_s, const float *x, int H,
+                                                                    int S) {
+    constexpr int es = BF ? 2 : 4;
+    int lane = threadIdx.x & 31, r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const char *row = r < S ? (const char *)sup + (size_t)r * ld_s * es : NULL;
+    if (r < S) l2_row(row, (size_t)H * es, lane, 32);
+    pdl_wait();
+    if (r >= S + K * m) return;
+    const float *in = x;
+    int cols = H, at = K * ((m + 7) / 8 * 8) + r;
+    float scale = 1.0f;
+    if (r >= S) {
+        int j = (r - S) / m, i = (r - S) - j * m;
+        row = (const char *)eup + ((size_t)idx[j] * m + i) * ld_e * es;
+        in = z;
+        cols = d;
+        at = j * ((m + 7) / 8 * 8) + i;
+        scale = wt[j];
+        l2_row(row, (size_t)d * es, lane, 32);
+    }
+    float acc = warp_sum(row_dot<BF>(row, in, cols, lane, 32));
+    if (lane == 0) {
+        acc = fmaxf(acc, 0.0f);
+        h[at] = scale * acc * acc;
+    }
+}
+
+/* The inputs of a one-token down product: row i of it is the rows i of several matrices side by side
+ * (the chosen experts', then the fixed ones), dotted with their inputs side by side. */
+typedef struct {
+    const void *w;              /* [rows, ld] bf16 or fp32; routed: every expert's, stacked, erows each */
+    const float *x;             /* [cols] input, 16-byte aligned; routed: slot j's at x + j * xstep */
+    int ld, cols;               /* row stride (a multiple of 8), row length */
+} MoeIn;
+
+typedef struct {
+    MoeIn routed;               /* the chosen experts' down_proj columns of this rank */
+    int k, erows, xstep;        /* slots used (0: none), rows of one expert's matrix, see MoeIn.x */
+    MoeIn fixed[2];             /* matrices every token uses: the shared expert's down, fc2_latent_proj */
+    int nfixed;
+} MoeDown;
+
+/* out[i] = sum over the segments s of W_s[i] . x_s (the up kernel already weighed the routed inputs).
+ * wpr warps a row, as gemv_kernel. The router ran two kernels back, so the weights a row reads are
+ * known before the wait: its first segment is asked of L2 then; after it, each segment's lines are
+ * asked for while the one before is dotted (one segment ahead, not the whole row: a wave's rows of
+ * every chosen expert would not fit in L2). Blocks from warm_from on warm L2 for the next product,
+ * as gemv_kernel's last wave does. */
+template <int BF>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, 16) moe_down_kernel(float *out, int rows, const int *idx, MoeDown md, int wpr,
+                                                                      const void *warm, size_t warm_n, int warm_from) {
+    constexpr int es = BF ? 2 : 4;
+    __shared__ const char *base[MOE_SEGS];
+    __shared__ const float *xs[MOE_SEGS];
+    __shared__ int lds[MOE_SEGS], cols[MOE_SEGS];
+    __shared__ float red[GEMV_WARPS];
+    int n = md.k + md.nfixed;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        MoeIn in = j < md.k ? md.routed : j == md.k ? md.fixed[0] : md.fixed[1];
+        size_t r0 = j < md.k ? (size_t)idx[j] * md.erows : 0;
+        base[j] = (const char *)in.w + r0 * in.ld * es;
+        xs[j] = j < md.k ? in.x + (size_t)j * md.xstep : in.x;
+        lds[j] = in.ld;
+        cols[j] = in.cols;
+    }
+    __syncthreads();
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr, first = part * 32 + lane, st = 32 * wpr;
+    int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr;
+    auto seg = [&](int j) { return base[j] + (size_t)row * lds[j] * es; };
+    if (row < rows && n) l2_row(seg(0), (size_t)cols[0] * es, first, st);
+    pdl_wait();
+    float acc = 0;
+    if (row < rows)
+        for (int j = 0; j < n; j++) {
+            if (j + 1 < n) l2_row(seg(j + 1), (size_t)cols[j + 1] * es, first, st);
+            acc += row_dot<BF>(seg(j), xs[j], cols[j], first, st);
+        }
+    acc = warp_sum(acc);
+    if ((int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
+    if (wpr > 1) {
+        if (lane == 0) red[warp] = acc;
+        __syncthreads();
+        if (part) return;
+        for (int k = 1; k < wpr; k++) acc += red[warp + k];
+    }
+    if (lane == 0 && row < rows) out[row] = acc;
+}
+
+/* A prompt's TK = T K (token, slot) pairs p = t K + k, grouped by expert and in p order within one:
+ * off[e] = the first row of expert e's pairs (off[E] = TK), tok[row] = the pair's token, row_of[p] =
+ * its row. One block: counts by shared-memory atomics, a scan, then warp 0 places 32 pairs at a time,
+ * in order (lanes with the same expert find their order among themselves with __match_any_sync). */
+__global__ void __launch_bounds__(1024) moe_sort_kernel(int *off, int *tok, int *row_of, const int *idx, int TK, int K, int E) {
+    __shared__ int at[MOE_MAX_EXPERTS];   /* counts, then each expert's next free row */
+    pdl_wait();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) at[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < TK; p += blockDim.x) atomicAdd(&at[idx[p]], 1);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int run = 0;
+        for (int e = 0; e < E; e++) { int n = at[e]; off[e] = at[e] = run; run += n; }
+        off[E] = run;
+    }
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    int lane = threadIdx.x;
+    for (int p0 = 0; p0 < TK; p0 += 32) {
+        int p = p0 + lane, e = p < TK ? idx[p] : -1;
+        unsigned same = __match_any_sync(0xffffffffu, e);
+        int before = __popc(same & ((1u << lane) - 1)), row = e >= 0 ? at[e] + before : 0;
+        __syncwarp();   /* every lane has read its expert's next row before the first of them moves it */
+        if (e >= 0) {
+            tok[row] = p / K;
+            row_of[p] = row;
+            if (!before) at[e] += __popc(same);
+        }
+        __syncwarp();
+    }
+}
+
+/* Row r of the experts' input: act[r] = z[tok[r]], in the weights' dtype (bf16 or fp32). */
+__global__ void moe_gather_kernel(void *act, int bf, int lda, const float *z, int ldz, const int *tok, int cols) {
+    pdl_wait();
+    const float *src = z + (size_t)tok[blockIdx.x] * ldz;
+    size_t o = (size_t)blockIdx.x * lda;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        if (bf) ((bf16 *)act)[o + i] = __float2bfloat16(src[i]); else ((float *)act)[o + i] = src[i];
+    }
+}
+
+/* out[t] = (add ? out[t] : 0) + sum over slots k of wt[t][k] y[row_of[t K + k]], the slots in order. */
+__global__ void moe_combine_kernel(float *out, int ldo, int add, const float *y, int ldy, const int *row_of, const float *wt,
+                                   int K, int cols) {
+    pdl_wait();
+    int t = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= cols) return;
+    float acc = 0;
+    for (int k = 0; k < K; k++) acc += wt[(size_t)t * K + k] * y[(size_t)row_of[(size_t)t * K + k] * ldy + i];
+    float *o = out + (size_t)t * ldo + i;
+    *o = add ? *o + acc : acc;
+}
+
+/* ------------------------------------------------------------------------------------------------
  * Kernels: sampling on the GPU, so only the token id crosses to the host
  * ---------------------------------------------------------------------------------------------- */
 
@@ -1485,7 +1794,7 @@ static void gpu_allreduce(Rank *r, int T) {
 /* Layer l's first product (lm_head after the last layer): what the product before it warms L2 for. */
 static const GMat *first_product(GpuRank *g, const Config *c, int l) {
     if (l >= c->n_layers) return &g->lm_head;
-    return c->kind[l] == 'M' ? &g->L[l].in_proj : c->kind[l] == '*' ? &g->L[l].qkv : &g->L[l].up;
+    return c->kind[l] == 'M' ? &g->L[l].in_proj : c->kind[l] == '*' ? &g->L[l].qkv : c->kind[l] == 'E' ? &g->L[l].sup : &g->L[l].up;
 }
 
 /* Where the current mixer writes its partial sums. */
@@ -1559,6 +1868,132 @@ static void gpu_mlp(Rank *r, int l, int T) {
     matmul(g, mixer_out(r), H, g->proj, m, T, &L->down, EPI_NONE, first_product(g, r->c, l + 1), NULL);
 }
 
+/* ---- the mixture-of-experts layer ---- */
+
+/* One MoE layer's sizes on this rank. */
+typedef struct {
+    int E, K;                   /* routed experts, chosen a token */
+    int m, S;                   /* this rank's rows of each routed expert's up_proj, of the shared expert's */
+    int H, lat, d;              /* hidden; latent (0: none); the routed experts' input width (lat or H) */
+} MoeShape;
+
+static MoeShape moe_shape(const Rank *r) {
+    const Config *c = r->c;
+    MoeShape ms = {c->n_experts, c->top_k, r->s.moe, r->s.shared, c->hidden, c->latent, c->latent ? c->latent : c->hidden};
+    return ms;
+}
+
+/* out[n][rows] = act[n][cols] W^T over n rows, act already in W's dtype (bf16 or fp32), fp32 out;
+ * beta 1 adds to out. */
+static void moe_gemm(GpuRank *g, float *out, int ldo, const void *act, int lda, int n, const void *W, int bf, int rows, int cols,
+                     int ld, float beta) {
+    const float one = 1.0f;
+    cudaDataType t = bf ? CUDA_R_16BF : CUDA_R_32F;
+    CUBLAS_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, W, t, ld, act, t, lda, &beta, out, CUDA_R_32F,
+                              ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+/* moe_idx, moe_w = the choice for each of the T tokens of x: at decode one launch; for a prompt the
+ * logits by cuBLAS (fp32), then a block a token. */
+static void moe_route(GpuRank *g, const GLayer *L, const MoeShape *ms, MoeRoute rt, int T) {
+    if (T == 1) {
+        LAUNCH(ms->E, ROUTE_THREADS, 0, g->stream, moe_route_kernel, g->moe_idx, g->moe_w, g->moe_logits, g->moe_done,
+               (const float *)L->gate, (const float *)L->gate_bias, (const float *)g->x, ms->H, rt);
+        return;
+    }
+    moe_gemm(g, g->moe_logits, ms->E, g->x, ms->H, T, L->gate, 0, ms->E, ms->H, ms->H, 0.0f);
+    LAUNCH(T, ROUTE_THREADS, 0, g->stream, moe_select_kernel, g->moe_idx, g->moe_w, (const float *)g->moe_logits,
+           (const float *)L->gate_bias, rt);
+}
+
+/* Launches moe_down_kernel for `rows` output rows (warps a row as gemv_wpr picks for the whole
+ * width); the last wave warms L2 for `next`. */
+static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, int bf, const GMat *next) {
+    GMat shape = {NULL, bf, rows, md.k * md.routed.cols, 0};
+    for (int j = 0; j < md.nfixed; j++) shape.cols += md.fixed[j].cols;
+    int wpr = gemv_wpr(g, &shape), blocks = cdiv(rows, GEMV_WARPS / wpr);
+    LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, bf ? moe_down_kernel<1> : moe_down_kernel<0>, out, rows, (const int *)g->moe_idx,
+           md, wpr, next ? next->w : NULL, warm_bytes(next), blocks > g->gemv_slots ? blocks - g->gemv_slots : 0);
+}
+
+/* out = the layer's partial sums for T tokens of x, given the choice in moe_idx, moe_w:
+ *   out = [fc2] sum_k w_k down_{idx_k}(relu(up_{idx_k}(z))^2) + sdown(relu(sup(x))^2),  z = [fc1] x
+ * Each rank holds 1/n of every expert's intermediate rows, so this is a row-parallel partial sum like
+ * any mixer's (fc2 is linear: applied to the rank's own partial latent sum). One token: the shared and
+ * chosen experts' up products in one launch, their down products in one more (two for latent MoE,
+ * whose fc2 shares the second with the shared expert's down). A prompt: its (token, slot) pairs
+ * grouped by expert on the GPU, then one cuBLAS product per expert with tokens. cuBLAS takes its
+ * sizes from the host, so the group sizes are copied back: one sync per layer, in prefill only. */
+static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *out, int T, const GMat *next) {
+    int bf = L->eup.bf, mp = (ms->m + 7) / 8 * 8, K = ms->K, m = ms->m, d = ms->d;
+    const float *z = g->x;
+    if (ms->lat) {
+        matmul(g, g->moe_z, ms->lat, g->x, ms->H, T, &L->lat_in, EPI_NONE, NULL, NULL);
+        z = g->moe_z;
+    }
+    if (T == 1) {
+        LAUNCH(cdiv(ms->S + K * m, GEMV_WARPS), 32 * GEMV_WARPS, 0, g->stream, bf ? moe_up_kernel<1> : moe_up_kernel<0>, g->moe_h,
+               (const int *)g->moe_idx, (const float *)g->moe_w, L->eup.w, L->eup.ld, z, d, m, K, L->sup.w, L->sup.ld,
+               (const float *)g->x, ms->H, ms->S);
+        MoeIn routed = {L->edown.w, g->moe_h, L->edown.ld, m}, shared = {L->sdown.w, g->moe_h + (size_t)K * mp, L->sdown.ld, ms->S};
+        if (ms->lat) {
+            MoeIn fc2 = {L->lat_out.w, g->moe_ylat, L->lat_out.ld, ms->lat};
+            moe_down(g, g->moe_ylat, ms->lat, MoeDown{routed, K, ms->lat, mp, {}, 0}, bf, NULL);
+            moe_down(g, out, ms->H, MoeDown{{}, 0, 0, 0, {fc2, shared}, 2}, bf, next);
+        } else {
+            moe_down(g, out, ms->H, MoeDown{routed, K, ms->H, mp, {shared}, 1}, bf, next);
+        }
+        return;
+    }
+    int TK = T * K, la = g->moe_lda;
+    size_t es = bf ? 2 : 4;
+    LAUNCH(1, 1024, 0, g->stream, moe_sort_kernel, g->moe_off, g->moe_tok, g->moe_row, (const int *)g->moe_idx, TK, K, ms->E);
+    CUDA_CHECK(cudaMemcpyAsync(g->host_off, g->moe_off, (ms->E + 1) * sizeof(int), cudaMemcpyDeviceToHost, g->stream));
+    LAUNCH(TK, 256, 0, g->stream, moe_gather_kernel, g->moe_act, bf, la, z, d, (const int *)g->moe_tok, d);
+    /* the shared expert first: out = sdown relu(sup x)^2; the routed sum is added to it */
+    matmul(g, g->proj, ms->S, g->x, ms->H, T, &L->sup, EPI_RELU2, NULL, NULL);
+    matmul(g, out, ms->H, g->proj, ms->S, T, &L->sdown, EPI_NONE, NULL, NULL);
+    CUDA_CHECK(cudaStreamSynchronize(g->stream));   /* host_off: the experts' rows */
+    const int *off = g->host_off;
+    for (int e = 0; e < ms->E; e++)
+        if (off[e + 1] > off[e])
+            moe_gemm(g, g->moe_h + (size_t)off[e] * m, m, (const char *)g->moe_act + (size_t)off[e] * la * es, la, off[e + 1] - off[e],
+                     (const char *)L->eup.w + (size_t)e * m * L->eup.ld * es, bf, m, d, L->eup.ld, 0.0f);
+    LAUNCH(cdiv((long)TK * m, 256), 256, 0, g->stream, relu2_kernel, g->moe_h, (size_t)TK * m);
+    const void *h = g->moe_h;
+    int ldh = m;
+    if (bf) {
+        LAUNCH(TK, 256, 0, g->stream, to_bf16_kernel, (bf16 *)g->moe_act, la, (const float *)g->moe_h, m, m);
+        h = g->moe_act;
+        ldh = la;
+    }
+    for (int e = 0; e < ms->E; e++)
+        if (off[e + 1] > off[e])
+            moe_gemm(g, g->moe_y + (size_t)off[e] * d, d, (const char *)h + (size_t)off[e] * ldh * es, ldh, off[e + 1] - off[e],
+                     (const char *)L->edown.w + (size_t)e * d * L->edown.ld * es, bf, d, m, L->edown.ld, 0.0f);
+    LAUNCH(dim3(cdiv(d, 256), T), 256, 0, g->stream, moe_combine_kernel, ms->lat ? g->moe_ylat : out, d, ms->lat ? 0 : 1,
+           (const float *)g->moe_y, d, (const int *)g->moe_row, (const float *)g->moe_w, K, d);
+    if (ms->lat) {   /* out += fc2(routed latent sum) */
+        const void *a = g->moe_ylat;
+        int lda = ms->lat;
+        if (bf) {
+            LAUNCH(T, 256, 0, g->stream, to_bf16_kernel, (bf16 *)g->moe_act, la, (const float *)g->moe_ylat, ms->lat, ms->lat);
+            a = g->moe_act;
+            lda = la;
+        }
+        moe_gemm(g, out, ms->H, a, lda, T, L->lat_out.w, bf, ms->H, ms->lat, L->lat_out.ld, 1.0f);
+    }
+}
+
+static void gpu_moe(Rank *r, int l, int T) {
+    GpuRank *g = G(r);
+    const Config *c = r->c;
+    MoeShape ms = moe_shape(r);
+    MoeRoute rt = {c->n_experts, c->top_k, c->n_group, c->topk_group, c->norm_topk, c->routed_scale};
+    moe_route(g, &g->L[l], &ms, rt, T);
+    moe_experts(g, &g->L[l], &ms, mixer_out(r), T, first_product(g, c, l + 1));
+}
+
 static void gpu_logits(Rank *r, int T, int all) {
     GpuRank *g = G(r);
     const Config *c = r->c;
@@ -1618,6 +2053,11 @@ static void *gpu_setup(const Config *c, int n, int t_max, int logit_rows) {
     }
     if (has_kind(c, 'M') && c->m_heads * c->m_hdim / c->n_groups > GN_PER * 1024) {
         fprintf(stderr, "nemoh: the CUDA backend needs mamba groups of at most %d channels; use --cpu\n", GN_PER * 1024);
+        exit(1);
+    }
+    if (has_kind(c, 'E') && (c->n_experts > MOE_MAX_EXPERTS || c->top_k > MOE_MAX_TOPK)) {
+        fprintf(stderr, "nemoh: the CUDA backend needs at most %d routed experts and %d chosen a token (have %d, %d); use --cpu\n",
+                MOE_MAX_EXPERTS, MOE_MAX_TOPK, c->n_experts, c->top_k);
         exit(1);
     }
     if (c->head_dim > 256) { fprintf(stderr, "nemoh: the CUDA backend needs head_dim <= 256; use --cpu\n"); exit(1); }
@@ -1714,12 +2154,47 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g) {
         else if (L->kind == '*')
             b += mat_bytes(&L->wq, (s->q + 2 * s->kv) * c->head_dim) + mat_bytes(&L->wo, (int)H) +
                  2 * (size_t)r->ctx * s->kv * c->head_dim * (L->wq.dtype == DT_BF16 ? 2 : 4);   /* the cache: see GLayer */
-        else
+        else if (L->kind == '-')
             b += mat_bytes(&L->up, s->mlp) + mat_bytes(&L->down, (int)H);
+        else
+            b += (size_t)c->n_experts * (H + 1) * f + mat_bytes(&L->eup[0], c->n_experts * s->moe) +
+                 mat_bytes(&L->edown[0], c->n_experts * (c->latent ? c->latent : (int)H)) + mat_bytes(&L->sup, s->shared) +
+                 mat_bytes(&L->sdown, (int)H) + (c->latent ? mat_bytes(&L->lat_in, c->latent) + mat_bytes(&L->lat_out, (int)H) : 0);
+    }
+    if (has_kind(c, 'E')) {   /* moe_alloc's buffers */
+        size_t TK = T * c->top_k, d = c->latent ? c->latent : H, la = pad8(std::max((int)d, s->moe));
+        b += TK * (3 + la + s->moe + d) * f + T * ((size_t)c->n_experts + 2 * c->latent) * f;
     }
     b += T * H * f * 5 + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
     b += (size_t)SH((Rank *)r)->logit_rows * (c->vocab + s->vocab) * f + (64u << 20);  /* + cuBLAS workspace */
     return b;
+}
+
+/* The MoE buffers for steps of up to t tokens (gpu_init, and the kernel tests). */
+static void moe_alloc(GpuRank *g, const MoeShape *ms, int t) {
+    size_t TK = (size_t)t * ms->K;
+    g->moe_lda = pad8(std::max(ms->d, ms->m));
+    CUDA_CHECK(cudaMalloc(&g->moe_idx, TK * sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&g->moe_done, sizeof(unsigned)));
+    CUDA_CHECK(cudaMemset(g->moe_done, 0, sizeof(unsigned)));
+    CUDA_CHECK(cudaMalloc(&g->moe_off, (ms->E + 1) * sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&g->moe_tok, TK * sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&g->moe_row, TK * sizeof(int)));
+    CUDA_CHECK(cudaMallocHost(&g->host_off, (ms->E + 1) * sizeof(int)));
+    g->moe_w = zeros(TK);
+    g->moe_logits = zeros((size_t)t * ms->E);
+    g->moe_act = zeros(TK * g->moe_lda);
+    g->moe_h = zeros(std::max(TK * ms->m, (size_t)ms->K * pad8(ms->m) + ms->S));
+    g->moe_y = zeros(TK * ms->d);
+    g->moe_z = zeros((size_t)t * ms->lat);
+    g->moe_ylat = zeros((size_t)t * ms->lat);
+}
+
+static void moe_free(GpuRank *g) {
+    void *ptrs[] = {g->moe_idx, g->moe_done, g->moe_off, g->moe_tok, g->moe_row, g->moe_w, g->moe_logits, g->moe_act,
+                    g->moe_h, g->moe_y, g->moe_z, g->moe_ylat};
+    for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
+    if (g->host_off) CUDA_CHECK(cudaFreeHost(g->host_off));
 }
 
 static void gpu_init(Rank *r) {
@@ -1735,6 +2210,7 @@ static void gpu_init(Rank *r) {
     int hd = c->head_dim;
     g->proj_w = s->in_proj > (s->q + 2 * s->kv) * hd ? s->in_proj : (s->q + 2 * s->kv) * hd;
     if (s->mlp > g->proj_w) g->proj_w = s->mlp;
+    if (s->shared > g->proj_w) g->proj_w = s->shared;   /* a prompt's shared-expert intermediate */
     g->y_w = s->d_inner > s->q * hd ? s->d_inner : s->q * hd;
     g->act_w = pad8((int)H > g->proj_w ? (int)H : g->proj_w);
     g->splits = attn_splits(r->ctx);
@@ -1784,10 +2260,31 @@ static void gpu_init(Rank *r) {
             size_t n = (size_t)r->ctx * s->kv * hd, room = D->qkv.bf ? (n + 1) / 2 : n;   /* in floats: bf16 takes half */
             D->k = zeros(room);
             D->v = zeros(room);
-        } else {
+        } else if (L->kind == '-') {
             D->up = upload_mat(&L->up, 1);
             D->down = upload_mat(&L->down, 1);
+        } else {
+            D->gate = upload_f32(L->gate, (size_t)c->n_experts * H);
+            D->gate_bias = upload_f32(L->gate_bias, (size_t)c->n_experts);
+            D->eup = upload_mat(L->eup, c->n_experts);
+            D->edown = upload_mat(L->edown, c->n_experts);
+            D->sup = upload_mat(&L->sup, 1);
+            D->sdown = upload_mat(&L->sdown, 1);
+            if (c->latent) {
+                D->lat_in = upload_mat(&L->lat_in, 1);
+                D->lat_out = upload_mat(&L->lat_out, 1);
+            }
+            int bf = D->eup.bf;   /* the expert kernels take one dtype for all the matrices they read */
+            if (D->edown.bf != bf || D->sup.bf != bf || D->sdown.bf != bf || (c->latent && D->lat_out.bf != bf)) {
+                fprintf(stderr, "nemoh: layer %d: the CUDA backend needs the experts' matrices (and fc2_latent_proj) in one "
+                                "dtype; use --cpu\n", l);
+                exit(1);
+            }
         }
+    }
+    if (has_kind(c, 'E')) {
+        MoeShape ms = moe_shape(r);
+        moe_alloc(g, &ms, (int)T);
     }
 
     /* buffers; pend in symmetric memory, registered as a window, when NCCL allows it */
@@ -1845,12 +2342,14 @@ static void gpu_free(Rank *r) {
     for (int l = 0; l < c->n_layers; l++) {
         GLayer *D = &g->L[l];
         void *ptrs[] = {D->norm, D->in_proj.w, D->conv_w, D->conv_b, D->A, D->D, D->dt_bias, D->gnorm, D->out.w, D->qkv.w,
-                        D->o.w, D->up.w, D->down.w, D->conv_st, D->ssm, D->k, D->v};
+                        D->o.w, D->up.w, D->down.w, D->conv_st, D->ssm, D->k, D->v, D->gate, D->gate_bias, D->eup.w,
+                        D->edown.w, D->sup.w, D->sdown.w, D->lat_in.w, D->lat_out.w};
         for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     }
     void *ptrs[] = {g->embed, g->lm_head.w, g->norm_f, g->res, g->x, g->red, g->proj, g->xbc, g->y, g->act16, g->part, g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
+    moe_free(g);
     CUDA_CHECK(cudaFreeHost(g->host_logits));
     CUDA_CHECK(cudaFreeHost(g->host_io));
     CUBLAS_CHECK(cublasDestroy(g->blas));
@@ -1861,7 +2360,7 @@ static void gpu_free(Rank *r) {
 
 extern "C" const Backend cuda_backend = {
     "cuda", gpu_setup, gpu_teardown, gpu_init, gpu_free, gpu_replay, gpu_begin, gpu_end, gpu_embed, gpu_norm,
-    gpu_mamba, gpu_attention, gpu_mlp, gpu_allreduce, gpu_logits, gpu_sample, gpu_host_logits,
+    gpu_mamba, gpu_attention, gpu_mlp, gpu_allreduce, gpu_logits, gpu_sample, gpu_host_logits, gpu_moe,
 };
 
 /* ------------------------------------------------------------------------------------------------

@@ -420,6 +420,247 @@ template <typename KT> static void test_prompt_attention(int q, int kv, int hd, 
     CUDA_CHECK(cudaFree(d_pos));
 }
 
+/* ---- mixture of experts: the router's rule, and the experts' products for one token and a prompt ---- */
+
+/* The router's rule in float64 (transformers' route_tokens_to_experts; ties to the lower index). */
+static void ref_route(const double *l, const std::vector<float> &bias, MoeRoute rt, int *idx, double *w, std::vector<double> &cm) {
+    int E = rt.E, per = E / rt.n_group;
+    std::vector<double> s(E), c(E), gs(rt.n_group);
+    for (int e = 0; e < E; e++) { s[e] = 1 / (1 + exp(-l[e])); c[e] = s[e] + bias[e]; }
+    for (int g = 0; g < rt.n_group; g++) {
+        std::vector<double> v(c.begin() + g * per, c.begin() + (g + 1) * per);
+        std::sort(v.begin(), v.end(), std::greater<double>());
+        gs[g] = v[0] + (per > 1 ? v[1] : 0);
+    }
+    std::vector<int> go(rt.n_group), eo(E);
+    for (int g = 0; g < rt.n_group; g++) go[g] = g;
+    std::stable_sort(go.begin(), go.end(), [&](int a, int b) { return gs[a] > gs[b]; });
+    cm.assign(E, -INFINITY);
+    for (int k = 0; k < rt.topk_group; k++)
+        for (int e = go[k] * per; e < (go[k] + 1) * per; e++) cm[e] = c[e];
+    for (int e = 0; e < E; e++) eo[e] = e;
+    std::stable_sort(eo.begin(), eo.end(), [&](int a, int b) { return cm[a] > cm[b]; });
+    double sum = 0;
+    for (int k = 0; k < rt.K; k++) sum += s[eo[k]];
+    for (int k = 0; k < rt.K; k++) {
+        idx[k] = eo[k];
+        w[k] = (rt.norm ? s[eo[k]] / (sum + 1e-20) : s[eo[k]]) * rt.scale;
+    }
+}
+
+/* The router for T tokens (T = 1: decode's one launch, run twice to see its counter reset; else
+ * cuBLAS logits + a block a token) against ref_route. ties 1: experts 2 and 3 have the same gate row
+ * and bias, raised so they are chosen: 2 must come first. ties 2: the last group copies group 1
+ * (rows and biases), both raised above the rest, so with topk_group 1 only group 1 may be chosen. */
+static void test_moe_router(int E, int K, int n_group, int topk_group, int norm, float scale, int H, int T, int ties) {
+    MoeRoute rt = {E, K, n_group, topk_group, norm, scale};
+    int per = E / n_group;
+    std::vector<float> gate = rand_vec((size_t)E * H, 3.0f / sqrtf((float)H)), bias = rand_vec(E, 0.05f);
+    if (ties == 1) {
+        for (int i = 0; i < H; i++) gate[(size_t)3 * H + i] = gate[(size_t)2 * H + i];
+        bias[2] = bias[3] = 2.0f;
+    }
+    if (ties == 2) {
+        for (int e = 0; e < per; e++) {
+            bias[per + e] += 1.0f;
+            bias[(n_group - 1) * per + e] = bias[per + e];
+            for (int i = 0; i < H; i++) gate[((size_t)(n_group - 1) * per + e) * H + i] = gate[((size_t)per + e) * H + i];
+        }
+    }
+    GLayer L;
+    memset(&L, 0, sizeof L);
+    L.gate = dev_copy(gate);
+    L.gate_bias = dev_copy(bias);
+    MoeShape ms = {E, K, 8, 8, H, 0, H};
+    GpuRank g = make_rank(8);
+    moe_alloc(&g, &ms, T);
+    for (int run = 0; run < (T == 1 ? 2 : 1); run++) {
+        std::vector<float> x = rand_vec((size_t)T * H);
+        g.x = dev_copy(x);
+        CUDA_CHECK(cudaMemset(g.moe_idx, 0xff, (size_t)T * K * sizeof(int)));
+        CUDA_CHECK(cudaMemset(g.moe_w, 0xff, (size_t)T * K * sizeof(float)));   /* NaN */
+        CUDA_CHECK(cudaMemset(g.moe_logits, 0xff, (size_t)T * E * sizeof(float)));
+        moe_route(&g, &L, &ms, rt, T);
+        std::vector<double> l((size_t)T * E), w((size_t)T * K);
+        std::vector<int> idx((size_t)T * K), got((size_t)T * K);
+        std::vector<std::vector<double>> cm(T);   /* each token's choice scores, -inf in dropped groups */
+        for (int t = 0; t < T; t++) {
+            for (int e = 0; e < E; e++) {
+                double a = 0;
+                for (int i = 0; i < H; i++) a += (double)gate[(size_t)e * H + i] * x[(size_t)t * H + i];
+                l[(size_t)t * E + e] = a;
+            }
+            ref_route(&l[(size_t)t * E], bias, rt, &idx[(size_t)t * K], &w[(size_t)t * K], cm[t]);
+        }
+        CUDA_CHECK(cudaMemcpy(got.data(), g.moe_idx, got.size() * sizeof(int), cudaMemcpyDeviceToHost));
+        int wrong = 0;
+        for (size_t i = 0; i < got.size(); i++) {   /* fp32 may order two scores within 1e-5 of each other either way */
+            const std::vector<double> &c = cm[i / K];
+            wrong += got[i] != idx[i] && !(got[i] >= 0 && got[i] < E && fabs(c[got[i]] - c[idx[i]]) < 1e-5);
+        }
+        if (ties == 1) for (int t = 0; t < T; t++) wrong += got[(size_t)t * K] != 2 || got[(size_t)t * K + 1] != 3;
+        if (ties == 2) for (size_t i = 0; i < got.size(); i++) wrong += got[i] / per != 1;
+        char what[160];
+        snprintf(what, sizeof what, "router %s: %d experts top %d, groups %d keep %d, norm %d%s: logits", T == 1 ? "decode" : "prompt", E,
+                 K, n_group, topk_group, norm, ties == 1 ? ", tied experts" : ties == 2 ? ", tied groups" : "");
+        expect(what, host_copy(g.moe_logits, l.size()), l, 1e-5);
+        snprintf(what, sizeof what, "... %d token%s: chosen experts, in order, unlike float64's", T, T > 1 ? "s" : "");
+        expect_int(what, wrong, 0);
+        snprintf(what, sizeof what, "... their weights (scale %.2f)", scale);
+        expect(what, host_copy(g.moe_w, w.size()), w, 5e-5);
+        CUDA_CHECK(cudaFree(g.x));
+    }
+    unsigned done;
+    CUDA_CHECK(cudaMemcpy(&done, g.moe_done, sizeof done, cudaMemcpyDeviceToHost));
+    expect_int("... the decode router's block counter is back to 0", (int)done, 0);
+    moe_free(&g);
+    free_rank(&g);
+    CUDA_CHECK(cudaFree(L.gate));
+    CUDA_CHECK(cudaFree(L.gate_bias));
+}
+
+/* A matrix's host copy (rounded to bf16 if bf) and its upload from `parts` strided views. */
+typedef struct {
+    std::vector<float> v;       /* [rows, ld] values as the GPU sees them */
+    std::vector<uint16_t> b;    /* bf16 storage (bf) */
+    int rows, ld;
+} HostMat;
+
+static HostMat host_mat(int bf, int rows, int ld, float scale) {
+    HostMat h = {rand_vec((size_t)rows * ld, scale), std::vector<uint16_t>((size_t)rows * ld), rows, ld};
+    for (size_t i = 0; i < h.v.size(); i++) {
+        __nv_bfloat16 b = __float2bfloat16(h.v[i]);
+        memcpy(&h.b[i], &b, 2);
+        if (bf) h.v[i] = __bfloat162float(b);
+    }
+    return h;
+}
+
+/* The view [r0, r0 + rows) x [c0, c0 + cols) of h. */
+static Mat view(const HostMat &h, int bf, int r0, int rows, int c0, int cols) {
+    size_t at = (size_t)r0 * h.ld + c0;
+    return Mat{bf ? (const void *)(h.b.data() + at) : (const void *)(h.v.data() + at), bf ? DT_BF16 : DT_F32, rows, cols, (size_t)h.ld};
+}
+
+static double bf16r(double v, int round) { return round ? (double)bf16_round((float)v) : v; }
+
+/* The experts' products for T tokens (T = 1: decode's kernels; else the grouped cuBLAS path) on a
+ * random choice, against float64. Expert e's up is rows [r m, (r + 1) m) of a [2m, d] tensor and its
+ * down the same columns of a [d, 2m] one (rank r = 1 of 2), uploaded as gpu_init does. Where the
+ * prompt path feeds cuBLAS bf16 activations, the reference rounds them at the same points. */
+static void test_moe_products(int bf, int E, int K, int m, int S, int H, int lat, int T) {
+    int d = lat ? lat : H, rb = bf && T > 1;
+    MoeShape ms = {E, K, m, S, H, lat, d};
+    std::vector<HostMat> up, down;
+    std::vector<Mat> upv(E), downv(E);
+    for (int e = 0; e < E; e++) {
+        up.push_back(host_mat(bf, 2 * m, d, 2.0f / sqrtf((float)d)));
+        down.push_back(host_mat(bf, d, 2 * m, 2.0f / sqrtf((float)m)));
+    }
+    for (int e = 0; e < E; e++) { upv[e] = view(up[e], bf, m, m, 0, d); downv[e] = view(down[e], bf, 0, d, m, m); }
+    HostMat su = host_mat(bf, S, H, 2.0f / sqrtf((float)H)), sd = host_mat(bf, H, S, 2.0f / sqrtf((float)S));
+    HostMat li = host_mat(bf, lat ? lat : 1, H, 1.0f / sqrtf((float)H)), lo = host_mat(bf, H, lat ? lat : 1, 1.0f / sqrtf((float)d));
+    GLayer L;
+    memset(&L, 0, sizeof L);
+    L.eup = upload_mat(upv.data(), E);
+    L.edown = upload_mat(downv.data(), E);
+    Mat v = view(su, bf, 0, S, 0, H);
+    L.sup = upload_mat(&v, 1);
+    v = view(sd, bf, 0, H, 0, S);
+    L.sdown = upload_mat(&v, 1);
+    if (lat) {
+        v = view(li, bf, 0, lat, 0, H);
+        L.lat_in = upload_mat(&v, 1);
+        v = view(lo, bf, 0, H, 0, lat);
+        L.lat_out = upload_mat(&v, 1);
+    }
+    /* a random choice: K distinct experts a token, weights in (0, 2) */
+    std::vector<int> idx((size_t)T * K);
+    std::vector<float> w((size_t)T * K), x = rand_vec((size_t)T * H);
+    for (int t = 0; t < T; t++) {
+        std::vector<int> perm(E);
+        for (int e = 0; e < E; e++) perm[e] = e;
+        std::shuffle(perm.begin(), perm.end(), rng);
+        for (int k = 0; k < K; k++) { idx[(size_t)t * K + k] = perm[k]; w[(size_t)t * K + k] = 1.0f + uni(); }
+    }
+    GpuRank g = make_rank((size_t)T * pad8(std::max(H, S)));
+    g.act_w = pad8(std::max(H, S));
+    g.proj = dev_copy(std::vector<float>((size_t)T * S));
+    g.x = dev_copy(x);
+    moe_alloc(&g, &ms, T);
+    /* NaN in every buffer the products write: a read of something not written shows */
+    CUDA_CHECK(cudaMemset(g.moe_h, 0xff, std::max((size_t)T * K * m, (size_t)K * pad8(m) + S) * sizeof(float)));
+    CUDA_CHECK(cudaMemset(g.moe_y, 0xff, (size_t)T * K * d * sizeof(float)));
+    CUDA_CHECK(cudaMemset(g.moe_act, 0xff, (size_t)T * K * g.moe_lda * sizeof(float)));
+    CUDA_CHECK(cudaMemset(g.moe_z, 0xff, (size_t)T * std::max(lat, 1) * sizeof(float)));
+    CUDA_CHECK(cudaMemset(g.moe_ylat, 0xff, (size_t)T * std::max(lat, 1) * sizeof(float)));
+    CUDA_CHECK(cudaMemset(g.proj, 0xff, (size_t)T * S * sizeof(float)));
+    CUDA_CHECK(cudaMemcpy(g.moe_idx, idx.data(), idx.size() * sizeof(int), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(g.moe_w, w.data(), w.size() * sizeof(float), cudaMemcpyHostToDevice));
+    float *out = dev_copy(std::vector<float>((size_t)T * H, NAN));
+    moe_experts(&g, &L, &ms, out, T, &L.sup);   /* warms the shared up rows again: harmless, and run */
+    /* float64 reference */
+    std::vector<double> ref((size_t)T * H);
+    for (int t = 0; t < T; t++) {
+        std::vector<double> xi(H), z(d), routed(d, 0.0);
+        for (int i = 0; i < H; i++) xi[i] = bf16r(x[(size_t)t * H + i], rb);
+        for (int j = 0; j < d; j++) {
+            double a = 0;
+            if (lat) for (int i = 0; i < H; i++) a += (double)li.v[(size_t)j * H + i] * xi[i]; else a = x[(size_t)t * H + j];
+            z[j] = bf16r(a, rb);
+        }
+        for (int k = 0; k < K; k++) {
+            int e = idx[(size_t)t * K + k];
+            std::vector<double> h(m);
+            for (int i = 0; i < m; i++) {
+                double a = 0;
+                for (int j = 0; j < d; j++) a += (double)up[e].v[(size_t)(m + i) * d + j] * z[j];
+                h[i] = bf16r(a > 0 ? a * a : 0, rb);
+            }
+            for (int j = 0; j < d; j++) {
+                double a = 0;
+                for (int i = 0; i < m; i++) a += (double)down[e].v[(size_t)j * 2 * m + m + i] * h[i];
+                routed[j] += w[(size_t)t * K + k] * a;
+            }
+        }
+        std::vector<double> hs(S);
+        for (int i = 0; i < S; i++) {
+            double a = 0;
+            for (int j = 0; j < H; j++) a += (double)su.v[(size_t)i * H + j] * xi[j];
+            hs[i] = bf16r(a > 0 ? a * a : 0, rb);
+        }
+        for (int i = 0; i < H; i++) {
+            double a = 0, b = 0;
+            for (int j = 0; j < S; j++) a += (double)sd.v[(size_t)i * S + j] * hs[j];
+            if (lat) for (int j = 0; j < lat; j++) b += (double)lo.v[(size_t)i * lat + j] * bf16r(routed[j], rb); else b = routed[i];
+            ref[(size_t)t * H + i] = a + b;
+        }
+    }
+    char what[160];
+    snprintf(what, sizeof what, "moe %s %s: %d experts top %d, %d / shared %d rows, hidden %d, latent %d, %d token%s", T == 1 ? "decode" : "prompt",
+             bf ? "bf16" : "fp32", E, K, m, S, H, lat, T, T > 1 ? "s" : "");
+    expect(what, host_copy(out, ref.size()), ref, rb ? 1e-3 : 2e-5);
+    if (T > 1) {   /* the grouping: each expert's rows contiguous, in (token, slot) order within it */
+        std::vector<int> off(E + 1), tok((size_t)T * K), row((size_t)T * K), cnt(E, 0), seen(E, -1);
+        CUDA_CHECK(cudaMemcpy(off.data(), g.moe_off, off.size() * sizeof(int), cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(tok.data(), g.moe_tok, tok.size() * sizeof(int), cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(row.data(), g.moe_row, row.size() * sizeof(int), cudaMemcpyDeviceToHost));
+        for (int p = 0; p < T * K; p++) cnt[idx[p]]++;
+        int bad = off[0] != 0;
+        for (int e = 0; e < E; e++) bad += off[e + 1] - off[e] != cnt[e];
+        for (int p = 0; p < T * K; p++) {
+            int e = idx[p], r = row[p];
+            bad += r < off[e] || r >= off[e + 1] || tok[r] != p / K || r <= seen[e];
+            seen[e] = r;
+        }
+        expect_int("... pairs grouped by expert: misplaced", bad, 0);
+    }
+    for (void *p : {L.eup.w, L.edown.w, L.sup.w, L.sdown.w, L.lat_in.w, L.lat_out.w, (void *)out, (void *)g.proj, (void *)g.x})
+        CUDA_CHECK(cudaFree(p));
+    moe_free(&g);
+    free_rank(&g);
+}
+
 /* ---- sampling: argmax (first of tied maxima), and the top-p draw against the host rule ---- */
 static int host_pick(const std::vector<float> &p, float topp, uint64_t seed, uint64_t step) {
     double total = 0;
@@ -579,6 +820,42 @@ static void time_gemv(int rows, int cols) {
     free_rank(&g);
 }
 
+/* Not a check: one decode step of a MoE layer at a model's shape (router, up, down; random weights
+ * drawn on the device), and the bandwidth over the bytes it must read: the router, the chosen
+ * experts' rows, the shared expert, the latent projections. */
+static void time_moe(const char *name, int E, int K, int m, int S, int H, int lat) {
+    int d = lat ? lat : H;
+    MoeShape ms = {E, K, m, S, H, lat, d};
+    MoeRoute rt = {E, K, 1, 1, 1, 2.5f};
+    Mat eu = {NULL, DT_BF16, E * m, d, (size_t)d}, ed = {NULL, DT_BF16, E * d, m, (size_t)m}, su = {NULL, DT_BF16, S, H, (size_t)H},
+        sd = {NULL, DT_BF16, H, S, (size_t)S}, li = {NULL, DT_BF16, lat, H, (size_t)H}, lo = {NULL, DT_BF16, H, lat, (size_t)lat};
+    GLayer L;
+    memset(&L, 0, sizeof L);
+    L.eup = upload_mat(&eu, 1);
+    L.edown = upload_mat(&ed, 1);
+    L.sup = upload_mat(&su, 1);
+    L.sdown = upload_mat(&sd, 1);
+    if (lat) { L.lat_in = upload_mat(&li, 1); L.lat_out = upload_mat(&lo, 1); }
+    L.gate = dev_copy(rand_vec((size_t)E * H, 3.0f / sqrtf((float)H)));
+    L.gate_bias = dev_copy(rand_vec(E, 0.05f));
+    GpuRank g = make_rank(8);
+    g.x = dev_copy(rand_vec(H));
+    moe_alloc(&g, &ms, 1);
+    float *out = dev_copy(std::vector<float>(H));
+    float us = time_us(g.stream, 50, [&] {
+        moe_route(&g, &L, &ms, rt, 1);
+        moe_experts(&g, &L, &ms, out, 1, NULL);
+    });
+    double bytes = (double)E * H * 4 + 2.0 * K * m * d * 2 + 2.0 * S * H * 2 + 2.0 * lat * H * 2;
+    printf("# moe decode layer %s (%d experts top %d, %d rows, shared %d, hidden %d, latent %d): %.1f us, %.0f GB/s of %.1f MB\n",
+           name, E, K, m, S, H, lat, us, bytes / (us * 1e3), bytes / 1e6);
+    for (void *p : {L.eup.w, L.edown.w, L.sup.w, L.sdown.w, L.lat_in.w, L.lat_out.w, (void *)L.gate, (void *)L.gate_bias, (void *)out,
+                    (void *)g.x})
+        CUDA_CHECK(cudaFree(p));
+    moe_free(&g);
+    free_rank(&g);
+}
+
 int main(int argc, char **argv) {
     uint64_t seed = argc > 1 ? strtoull(argv[1], NULL, 10) : std::random_device{}();
     rng.seed(seed);
@@ -628,6 +905,28 @@ int main(int argc, char **argv) {
     test_prompt_attention<float>(8, 2, 8, 3, 20);      /* fp32: the tiny-f32 fixture's shape */
     test_prompt_attention<float>(4, 1, 80, 100, 77);
     test_prompt_attention<float>(2, 2, 256, 500, 40);
+    test_moe_router(12, 3, 2, 1, 1, 2.5f, 40, 1, 0);
+    test_moe_router(12, 3, 2, 1, 0, 1.0f, 40, 37, 0);
+    test_moe_router(12, 3, 1, 1, 1, 2.5f, 1000, 1, 1);     /* tied experts */
+    test_moe_router(12, 3, 1, 1, 1, 2.5f, 1000, 9, 1);
+    test_moe_router(64, 8, 8, 3, 0, 1.5f, 1064, 1, 0);
+    test_moe_router(64, 4, 8, 1, 1, 1.0f, 1064, 1, 2);     /* tied groups */
+    test_moe_router(64, 4, 8, 1, 1, 1.0f, 1064, 20, 2);
+    test_moe_router(20, 20, 4, 4, 1, 1.0f, 64, 1, 0);      /* every expert chosen */
+    test_moe_router(128, 6, 1, 1, 1, 2.5f, 2688, 1, 0);    /* nemotron-3-nano-30b-a3b */
+    test_moe_router(128, 6, 1, 1, 1, 2.5f, 2688, 20, 0);
+    test_moe_router(512, 22, 1, 1, 1, 5.0f, 4096, 1, 0);   /* nemotron-3-super-120b-a12b */
+    for (int bf = 0; bf < 2; bf++) {
+        test_moe_products(bf, 12, 3, 20, 36, 40, 0, 1);
+        test_moe_products(bf, 10, 4, 27, 19, 56, 24, 1);   /* latent */
+        test_moe_products(bf, 7, 2, 13, 9, 32, 0, 1);
+        test_moe_products(bf, 12, 3, 20, 36, 40, 0, 37);
+        test_moe_products(bf, 10, 4, 27, 19, 56, 24, 50);
+        test_moe_products(bf, 64, 2, 24, 40, 64, 0, 3);    /* most experts without tokens */
+        test_moe_products(bf, 8, 6, 1302, 600, 520, 0, 1);   /* two warps a row in the down product */
+        test_moe_products(bf, 8, 6, 1302, 600, 520, 72, 1);
+        test_moe_products(bf, 8, 6, 1302, 600, 520, 72, 130);
+    }
     test_sampling(1000, 0);
     test_sampling(131072, 0);
     test_sampling(131072, 1);
@@ -638,6 +937,9 @@ int main(int argc, char **argv) {
     time_gemv(6144, 4096);     /* qkv */
     time_gemv(4480, 15680);    /* nemotron-nano-9b-v2: down (at one warp a row, a second wave of 128 blocks) */
     time_gemv(131072, 4096);   /* lm_head */
+    time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0);
+    time_moe("nemotron-3-nano-30b-a3b, a rank of 2", 128, 6, 928, 1856, 2688, 0);
+    time_moe("nemotron-3-super-120b-a12b, a rank of 2", 512, 22, 1344, 2688, 4096, 1024);
     time_sample(131072, 1);
     time_sample(131072, 0);
     time_scan(128, 64, 8, 128, 2048);
