@@ -12,6 +12,7 @@
 #include <fcntl.h>
 #include <math.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -140,6 +141,8 @@ typedef struct {
     float **conv;               /* [n_layers] Mamba: [conv, d_conv-1] last inputs, oldest first */
     float **ssm;                /* [n_layers] Mamba: [m_heads, m_hdim, d_state] fp32 state */
     float **k, **v;             /* [n_layers] attention: [ctx, kv*head_dim] cache */
+    float *snap;                /* [SNAPSHOT_SLOTS, snap_n] saved conv windows + SSM states, made at first save */
+    size_t snap_n;              /* floats of one snapshot: every Mamba layer's conv then ssm */
     int proj_w;                 /* columns of proj */
     /* mixture of experts; d = latent size, or hidden */
     int *route;                 /* [t_max, top_k] the experts each token chose */
@@ -252,7 +255,7 @@ static void cpu_free(Rank *r) {
     for (int l = 0; l < r->c->n_layers; l++) { free(st->conv[l]); free(st->ssm[l]); free(st->k[l]); free(st->v[l]); }
     free(st->conv); free(st->ssm); free(st->k); free(st->v);
     free(st->res); free(st->x); free(st->pend); free(st->sum); free(st->proj); free(st->xbc); free(st->y);
-    free(st->hist); free(st->att);
+    free(st->hist); free(st->att); free(st->snap);
     free(st->route); free(st->route_w); free(st->escore); free(st->ez); free(st->eacc); free(st->ein); free(st->eout);
     free(st->etok); free(st->ew);
     free(st);
@@ -550,10 +553,31 @@ static void cpu_teardown(void *p) {
     free(sh);
 }
 
+/* Copies every Mamba layer's conv window and SSM state into snapshot slot `slot` (save) or back. */
+static void cpu_snapshot(Rank *r, int slot, int save) {
+    CpuState *st = r->st;
+    const Config *c = r->c;
+    size_t nc = (size_t)r->s.conv * (size_t)(c->d_conv - 1), ns = (size_t)r->s.d_inner * (size_t)c->d_state;
+    if (!st->snap) {
+        for (int l = 0; l < c->n_layers; l++) st->snap_n += c->kind[l] == 'M' ? nc + ns : 0;
+        st->snap = xcalloc(SNAPSHOT_SLOTS * st->snap_n + 1, sizeof(float));
+    }
+    float *p = st->snap + (size_t)slot * st->snap_n;
+    for (int l = 0; l < c->n_layers; l++) {
+        if (c->kind[l] != 'M') continue;
+        memcpy(save ? p : st->conv[l], save ? st->conv[l] : p, nc * sizeof(float));
+        memcpy(save ? p + nc : st->ssm[l], save ? st->ssm[l] : p + nc, ns * sizeof(float));
+        p += nc + ns;
+    }
+}
+static void cpu_snapshot_save(Rank *r, int slot) { cpu_snapshot(r, slot, 1); }
+static void cpu_snapshot_load(Rank *r, int slot) { cpu_snapshot(r, slot, 0); }
+
 static const Backend cpu_backend = {
     .name = "cpu", .setup = cpu_setup, .teardown = cpu_teardown, .init = cpu_init, .free = cpu_free, .embed = cpu_embed, .norm = cpu_norm,
     .mamba = cpu_mamba, .attention = cpu_attention, .mlp = cpu_mlp, .moe = cpu_moe, .allreduce = cpu_allreduce,
     .logits = cpu_logits, .sample = cpu_sample, .host_logits = cpu_host_logits,
+    .snapshot_save = cpu_snapshot_save, .snapshot_load = cpu_snapshot_load,
 };
 
 /* ------------------------------------------------------------------------------------------------
@@ -714,6 +738,11 @@ static void engine_forward(Engine *e, const int *tok, int T, int pos, int all) {
     FwdArgs a = {tok, T, pos, all};
     run_ranks(e, job_forward, &a);
 }
+
+/* Every rank saves (or restores) its own shard of the recurrent state in snapshot slot `slot`. */
+static void job_snapshot_save(Rank *r, void *slot) { r->be->snapshot_save(r, *(int *)slot); }
+static void job_snapshot_load(Rank *r, void *slot) { r->be->snapshot_load(r, *(int *)slot); }
+static void engine_snapshot(Engine *e, int slot, int save) { run_ranks(e, save ? job_snapshot_save : job_snapshot_load, &slot); }
 
 /* Every rank samples from its own gathered logits; they must agree. */
 static int engine_sample(Engine *e, float temp, float topp, uint64_t seed, uint64_t step) {
@@ -2350,6 +2379,443 @@ static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t se
 }
 
 /* ------------------------------------------------------------------------------------------------
+ * Chat: the instruct checkpoints' own formats, and a conversation that keeps its state
+ * ---------------------------------------------------------------------------------------------- */
+
+/* nemoh renders the chat templates NVIDIA ships (the .jinja files in tools/chat) in C, byte for byte what
+ * transformers' apply_chat_template(..., add_generation_prompt=True) gives, without a Jinja
+ * interpreter: the template's text only tells which format a checkpoint uses. */
+enum { FMT_NANO2, FMT_NEMOTRON3, FMT_CHATML };
+static const char *const fmt_name[] = {"Nemotron-Nano v2 / Nemotron-H", "Nemotron 3", "ChatML"};
+
+typedef struct { char role; char *text; size_t len; } ChatMsg;   /* role 's', 'u' or 'a'; text owned */
+
+typedef struct {
+    int format;                 /* FMT_* */
+    char where[4200];           /* the file the template came from, for messages */
+    int think;                  /* -1: the template's default, 0: --no-think, 1: --think */
+    ChatMsg *msg;               /* [n_msg] the conversation so far */
+    int n_msg;
+    size_t cap_msg;             /* allocated messages */
+    int end_turn;               /* the token that ends an assistant turn */
+    int think_end;              /* the token "</think>", or -1 when it is not one token */
+} Chat;
+
+typedef struct {
+    int n;                      /* most tokens a reply may have */
+    float temp, topp;           /* sampling temperature (0: greedy), top-p */
+    uint64_t seed;              /* sampling seed */
+    int hide_think;             /* --hide-think: print no reasoning */
+    FILE *dump;                 /* --dump-logits: every position's logits as last computed, at exit */
+} ChatOpts;
+
+typedef struct {
+    int *ids, n;                /* the tokens the engine has consumed, in order */
+    size_t cap;                 /* allocated ids */
+    int snap;                   /* position snapshot slot 1 holds (a turn boundary), -1: none */
+    float *rows;                /* [cap, vocab] with --dump-logits: each position's logits */
+} ChatState;
+
+static int is_eos(const Config *c, int id);
+
+/* Python's str.isspace(), which str.strip() and Jinja's trim strip. */
+static int py_space(unsigned cp) {
+    return (cp >= 0x09 && cp <= 0x0D) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+           (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
+}
+
+/* s[0..*n) with Python's strip(): returns the new start, *n the new length. */
+static const char *py_strip(const char *s, size_t *n) {
+    const unsigned char *b = (const unsigned char *)s;
+    size_t i = 0, j = *n;
+    unsigned cp;
+    int k;
+    while (i < j && (k = utf8_check(b + i, j - i, &cp)) > 0 && py_space(cp)) i += (size_t)k;
+    while (j > i) {
+        size_t h = j - 1;
+        while (h > i && (b[h] & 0xC0) == 0x80) h--;
+        if (utf8_check(b + h, j - h, &cp) != (int)(j - h) || !py_space(cp)) break;
+        j = h;
+    }
+    *n = j - i;
+    return s + i;
+}
+
+static const char *find(const char *s, size_t n, const char *w) { return memmem(s, n, w, strlen(w)); }
+
+/* s with every w removed (Python's s.replace(w, '')), written to a new buffer; *n in and out. */
+static char *remove_all(const char *s, size_t *n, const char *w) {
+    char *out = xmalloc(*n + 1);
+    size_t k = 0, wl = strlen(w);
+    for (size_t i = 0; i < *n;) {
+        if (*n - i >= wl && !memcmp(s + i, w, wl)) i += wl;
+        else out[k++] = s[i++];
+    }
+    *n = k;
+    return out;
+}
+
+/* Nano v2's message text: s.replace('/think', '').replace('/no_think', '').strip() */
+static void put_no_keywords(FILE *f, const char *s, size_t n) {
+    char *a = remove_all(s, &n, "/think"), *b = remove_all(a, &n, "/no_think");
+    const char *t = py_strip(b, &n);
+    fwrite(t, 1, n, f);
+    free(a);
+    free(b);
+}
+
+static void put_stripped(FILE *f, const char *s, size_t n) {
+    const char *t = py_strip(s, &n);
+    fwrite(t, 1, n, f);
+}
+
+/* The conversation in the format's template, as text; with gen, the generation prompt after it
+ * (and *open, the start of the reply it opens: "<think>\n", "<think></think>" or ""). */
+static char *chat_render(const Chat *ch, int gen, const char **open, size_t *len) {
+    char *out;
+    FILE *f = open_memstream(&out, len);
+    if (!f) die("out of memory");
+    int n = ch->n_msg, sys = n && ch->msg[0].role == 's';
+    static const char *const role[] = {['s'] = "system", ['u'] = "user", ['a'] = "assistant"};
+    const char *opening = "";
+    if (ch->format == FMT_NANO2) {
+        /* --think / --no-think: that keyword on a line after the system message (or as one) */
+        ChatMsg s0 = {'s', "", 0};
+        const ChatMsg **v = xmalloc(((size_t)n + 1) * sizeof *v);
+        int nv = 0;
+        if (ch->think >= 0) {
+            const char *kw = ch->think ? "/think" : "/no_think";
+            size_t l0 = sys ? ch->msg[0].len : 0;
+            s0.text = xmalloc(l0 + 12);
+            s0.len = (size_t)snprintf(s0.text, l0 + 12, "%.*s%s%s", (int)l0, sys ? ch->msg[0].text : "", sys ? "\n" : "", kw);
+            v[nv++] = &s0;
+        }
+        for (int i = ch->think >= 0 && sys; i < n; i++) v[nv++] = &ch->msg[i];
+        /* the reasoning switch: /think or /no_think in a system or user message, the last one wins */
+        int think = 1, sv = nv && v[0]->role == 's';
+        for (int i = 0; i < nv; i++)
+            if (v[i]->role != 'a' && find(v[i]->text, v[i]->len, "/think")) think = 1;
+            else if (v[i]->role != 'a' && find(v[i]->text, v[i]->len, "/no_think")) think = 0;
+        fputs("<SPECIAL_10>System\n", f);
+        if (sv) put_no_keywords(f, v[0]->text, v[0]->len);
+        fputs("\n", f);
+        for (int i = sv; i < nv; i++) {
+            const ChatMsg *m = v[i];
+            if (m->role == 'u') {
+                fputs("<SPECIAL_11>User\n", f);
+                put_no_keywords(f, m->text, m->len);
+                fputs("\n", f);
+            } else if (m->role == 'a') {
+                /* content.split('</think>')[1].strip(): the reply after its reasoning */
+                const char *c = m->text, *e = find(c, m->len, "</think>");
+                size_t cl = m->len;
+                if (e) {
+                    c = e + 8, cl = m->len - (size_t)(c - m->text);
+                    const char *e2 = find(c, cl, "</think>");
+                    if (e2) cl = (size_t)(e2 - c);
+                }
+                fputs("<SPECIAL_11>Assistant\n", f);
+                put_stripped(f, c, cl);
+                fputs("\n<SPECIAL_12>\n", f);
+            }
+        }
+        if (gen) fputs("<SPECIAL_11>Assistant\n", f), opening = think ? "<think>\n" : "<think></think>";
+        if (ch->think >= 0) free(s0.text);
+        free(v);
+    } else if (ch->format == FMT_NEMOTRON3) {
+        /* always a system turn; earlier replies' reasoning dropped (truncate_history_thinking): every
+           assistant turn before the last user message keeps only what follows its last </think> */
+        int last_user = -1;
+        for (int i = sys; i < n; i++) if (ch->msg[i].role == 'u') last_user = i;
+        fprintf(f, "<|im_start|>system\n%.*s<|im_end|>\n", sys ? (int)ch->msg[0].len : 0, sys ? ch->msg[0].text : "");
+        for (int i = sys; i < n; i++) {
+            const ChatMsg *m = &ch->msg[i];
+            if (m->role != 'a') {
+                fprintf(f, "<|im_start|>%s\n", role[(int)m->role]);
+                fwrite(m->text, 1, m->len, f);
+                fputs("<|im_end|>\n", f);
+                continue;
+            }
+            int has_open = find(m->text, m->len, "<think>") != NULL, has_close = find(m->text, m->len, "</think>") != NULL;
+            const char *c = m->text, *prefix = !has_open && !has_close ? "<think></think>" : "";
+            size_t cl = m->len;
+            if (i < last_user && has_open && has_close) {
+                for (const char *e; (e = find(c, cl, "</think>"));) cl -= (size_t)(e + 8 - c), c = e + 8;
+                prefix = "<think></think>";
+            }
+            /* (prefix + c).strip(); a prefix is never whitespace, so strip c's end only when it has one */
+            size_t pl = strlen(prefix), sl = cl;
+            const char *st = py_strip(c, &sl);
+            if (pl) sl = (size_t)(st + sl - c), st = c;
+            fprintf(f, "<|im_start|>assistant\n%s", prefix);
+            fwrite(st, 1, sl, f);
+            fputs("<|im_end|>\n", f);
+        }
+        if (gen) fputs("<|im_start|>assistant\n", f), opening = ch->think ? "<think>\n" : "<think></think>";
+    } else {
+        for (int i = 0; i < n; i++) {
+            fprintf(f, "<|im_start|>%s\n", role[(int)ch->msg[i].role]);
+            fwrite(ch->msg[i].text, 1, ch->msg[i].len, f);
+            fputs("<|im_end|>\n", f);
+        }
+        if (gen) fputs("<|im_start|>assistant\n", f);
+    }
+    fputs(opening, f);
+    fclose(f);
+    if (open) *open = opening;
+    return out;
+}
+
+/* The ids of the rendered conversation, as apply_chat_template gives them: the tokenizer's
+ * post-processor adds nothing (add_special_tokens=False), so its BOS is taken off again. */
+static int *chat_ids(const Chat *ch, const Tokenizer *tok, int gen, int *n) {
+    size_t len;
+    char *text = chat_render(ch, gen, NULL, &len);
+    int *ids = tok_encode(tok, text, len, n);
+    free(text);
+    *n -= tok->n_pre + tok->n_post;
+    memmove(ids, ids + tok->n_pre, (size_t)*n * sizeof(int));
+    return ids;
+}
+
+/* The id of a text that is one token, else -1. */
+static int tok_single(const Tokenizer *tok, const char *s) {
+    int n, *ids = tok_encode(tok, s, strlen(s), &n), id = n == tok->n_pre + tok->n_post + 1 ? ids[tok->n_pre] : -1;
+    free(ids);
+    return id;
+}
+
+static void chat_add(Chat *ch, char role, const char *text, size_t len) {
+    ch->msg = tok_grow(ch->msg, &ch->cap_msg, (size_t)ch->n_msg + 1, sizeof(ChatMsg));
+    char *t = xmalloc(len + 1);
+    memcpy(t, text, len);
+    t[len] = 0;
+    ch->msg[ch->n_msg++] = (ChatMsg){role, t, len};
+}
+
+/* The format of the checkpoint in dir, from its template (tokenizer_config.json's chat_template,
+ * else chat_template.jinja) and the special tokens it needs; one line and exit 1 when there is
+ * none or it is none of the three. */
+static void chat_detect(Chat *ch, const char *dir, const Tokenizer *tok) {
+    char path[4200];
+    size_t n;
+    char *text, *tmpl = NULL;
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    if ((text = read_file(path, &n))) {
+        JsonDoc doc = json_parse(text, n, path);
+        const Json *t = json_get(doc.nodes, "chat_template");
+        if (t && t->type == J_ARR)   /* [{"name", "template"}]: the one named "default" */
+            for (const Json *e = t->child; e; e = e->next) {
+                const Json *nm = json_get(e, "name");
+                if (nm && nm->type == J_STR && !strcmp(nm->str, "default")) t = json_get(e, "template");
+            }
+        if (t && t->type == J_STR && t->len) tmpl = strdup(t->str);
+        json_free(&doc);
+        free(text);
+    }
+    if (tmpl) snprintf(ch->where, sizeof ch->where, "%s", path);
+    else {
+        snprintf(ch->where, sizeof ch->where, "%s/chat_template.jinja", dir);
+        tmpl = read_file(ch->where, &n);
+    }
+    if (!tmpl)
+        die("--chat: %s has no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja): "
+            "a base model, not an instruct one", dir);
+    int nano = strstr(tmpl, "<SPECIAL_11>Assistant") && strstr(tmpl, "/no_think");
+    int im = strstr(tmpl, "<|im_start|>") != NULL, thinks = strstr(tmpl, "think") != NULL;
+    int n3 = im && strstr(tmpl, "enable_thinking") && strstr(tmpl, "truncate_history_thinking");
+    ch->format = nano ? FMT_NANO2 : n3 ? FMT_NEMOTRON3 : im && !thinks ? FMT_CHATML : -1;
+    if (ch->format < 0) {
+        for (char *p = tmpl; *p; p++) if (*p == '\n' || *p == '\t') *p = ' ';
+        die("--chat: %s: the chat template is none of the formats nemoh renders (%s, %s, %s); it begins \"%.48s\"",
+            ch->where, fmt_name[0], fmt_name[1], fmt_name[2], tmpl);
+    }
+    free(tmpl);
+    static const char *const need[][3] = {{"<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>"},
+                                          {"<|im_start|>", "<|im_end|>", "<|im_end|>"},
+                                          {"<|im_start|>", "<|im_end|>", "<|im_end|>"}};
+    for (int k = 0; k < 3; k++)
+        if (tok_single(tok, need[ch->format][k]) < 0)
+            die("--chat: the %s template (%s) needs %s, which the tokenizer does not have as one token",
+                fmt_name[ch->format], ch->where, need[ch->format][k]);
+    ch->end_turn = tok_single(tok, need[ch->format][2]);
+    ch->think_end = tok_single(tok, "</think>");
+    if (ch->think >= 0 && ch->format == FMT_CHATML)
+        die("--%s: the %s template (%s) has no reasoning switch", ch->think ? "think" : "no-think", fmt_name[ch->format], ch->where);
+}
+
+/* A conversation file: a JSON array of {"role": "system" | "user" | "assistant", "content": text}. */
+static void chat_load(Chat *ch, const char *path) {
+    size_t n;
+    char *text = read_file(path, &n);
+    if (!text) die("-f %s: cannot open", path);
+    JsonDoc doc = json_parse(text, n, path);
+    free(text);
+    if (doc.nodes->type != J_ARR) die("-f %s: a conversation is a JSON array of messages", path);
+    for (const Json *m = doc.nodes->child; m; m = m->next) {
+        const Json *r = json_get(m, "role"), *c = json_get(m, "content");
+        if (!r || r->type != J_STR || !c || c->type != J_STR || (strcmp(r->str, "system") && strcmp(r->str, "user") && strcmp(r->str, "assistant")))
+            die("-f %s: message %d is not {\"role\": system, user or assistant, \"content\": text}", path, ch->n_msg + 1);
+        chat_add(ch, r->str[0], c->str, (size_t)c->len);
+    }
+    json_free(&doc);
+    if (!ch->n_msg || ch->msg[ch->n_msg - 1].role != 'u') die("-f %s: the conversation must end with a user message", path);
+}
+
+/* Prefills ids[from..to) at their positions, keeping each position's logits for --dump-logits. */
+static void chat_prefill(Engine *e, ChatState *cs, const int *ids, int from, int to, const ChatOpts *o) {
+    int t_max = e->rank[0].t_max, V = e->c.vocab;
+    for (int pos = from; pos < to;) {
+        int T = to - pos < t_max ? to - pos : t_max;
+        engine_forward(e, ids + pos, T, pos, o->dump != NULL);
+        if (o->dump) memcpy(cs->rows + (size_t)pos * V, e->be->host_logits(&e->rank[0], T), (size_t)T * V * sizeof(float));
+        pos += T;
+    }
+}
+
+static int common_prefix(const int *a, int na, const int *b, int nb) {
+    int k = 0;
+    while (k < na && k < nb && a[k] == b[k]) k++;
+    return k;
+}
+
+static volatile sig_atomic_t chat_replying, chat_stop;
+
+/* Ctrl-C stops the reply being written; a second one, or one at the prompt, ends nemoh. */
+static void chat_sigint(int sig) {
+    (void)sig;
+    if (!chat_replying || chat_stop) _exit(130);
+    chat_stop = 1;
+}
+
+/* One assistant turn: render the whole conversation, resume from the longest prefix of it the
+ * engine can reach (its live state when the rendering extends what it consumed; else the snapshot
+ * taken at the last turn boundary, when that lies before the first changed token; else the
+ * start), prefill the rest, then sample, stream and feed back the reply, which joins the
+ * conversation. Mamba state cannot be rewound, so the snapshot is what makes the second case cheap:
+ * the Nemotron 3 and Nano v2 templates re-render the previous reply without its reasoning. */
+static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, const ChatOpts *o, int turn) {
+    int n, nb, ctx = e->rank[0].ctx, V = e->c.vocab;
+    const char *opening;
+    free(chat_render(ch, 1, &opening, &(size_t){0}));
+    int *ids = chat_ids(ch, tok, 1, &n), *before = chat_ids(ch, tok, 0, &nb);
+    int bound = common_prefix(ids, n, before, nb);   /* where the generation prompt starts */
+    free(before);
+    if (n >= ctx) die("--chat: the conversation has %d tokens, more than the context of %d (-c)", n, ctx);
+    int same = common_prefix(ids, n, cs->ids, cs->n), start;
+    const char *from;
+    if (same == cs->n) start = cs->n, from = "the live state";
+    else if (cs->snap >= 0 && cs->snap <= same) engine_snapshot(e, 1, 0), start = cs->snap, from = "the turn-boundary snapshot";
+    else engine_snapshot(e, 0, 0), start = 0, from = "the start";
+    cs->ids = tok_grow(cs->ids, &cs->cap, (size_t)ctx, sizeof(int));
+    if (o->dump && !cs->rows) cs->rows = xcalloc((size_t)ctx * V, sizeof(float));
+    memcpy(cs->ids, ids, (size_t)n * sizeof(int));
+    double t0 = now_s();
+    if (start <= bound) {
+        chat_prefill(e, cs, ids, start, bound, o);
+        engine_snapshot(e, 1, 1), cs->snap = bound;
+    }
+    chat_prefill(e, cs, ids, start > bound ? start : bound, n, o);
+    fprintf(stderr, "nemoh: turn %d: prefilled %d of %d tokens in %.3f s (from %s)\n", turn, n - start, n, now_s() - t0, from);
+    free(ids);
+
+    /* the reply: reasoning (until </think>) dimmed on a terminal, or not shown with --hide-think */
+    int pos = n, made = 0, *reply = xmalloc(((size_t)o->n + 1) * sizeof(int));
+    int thinking = !strcmp(opening, "<think>\n") && ch->think_end >= 0, tty = isatty(1);
+    TokStream ts = {0};
+    if (thinking && tty && !o->hide_think) fputs("\033[2m", stdout);
+    chat_replying = 1, chat_stop = 0;
+    for (int i = 0; i < o->n && !chat_stop; i++) {
+        int next = engine_sample(e, o->temp, o->topp, o->seed, (uint64_t)pos);
+        if (next == ch->end_turn || is_eos(&e->c, next)) break;
+        reply[made++] = next;
+        if (!thinking || !o->hide_think) tok_stream_put(tok, &ts, next, stdout);
+        if (thinking && next == ch->think_end) {
+            thinking = 0;
+            if (tty && !o->hide_think) fputs("\033[0m", stdout);
+        }
+        if (pos + 1 >= ctx || i == o->n - 1) break;
+        engine_forward(e, &next, 1, pos, o->dump != NULL);
+        if (o->dump) memcpy(cs->rows + (size_t)pos * V, e->be->host_logits(&e->rank[0], 1), (size_t)V * sizeof(float));
+        cs->ids[pos++] = next;
+    }
+    chat_replying = 0;
+    tok_stream_end(tok, &ts, stdout);
+    if (thinking && tty && !o->hide_think) fputs("\033[0m", stdout);
+    fputs("\n", stdout);
+    fflush(stdout);
+    cs->n = pos;
+    size_t len;
+    char *text = tok_decode(tok, reply, made, &len), *content = xmalloc(strlen(opening) + len + 1);
+    memcpy(content, opening, strlen(opening));
+    memcpy(content + strlen(opening), text, len);
+    chat_add(ch, 'a', content, strlen(opening) + len);
+    free(content);
+    free(text);
+    free(reply);
+}
+
+/* Reads one user message from stdin: a line, or lines joined while they end in a backslash.
+ * NULL at EOF or /exit. */
+static char *chat_read(size_t *len) {
+    char *line = NULL, *msg = NULL;
+    size_t cap = 0, n = 0;
+    for (;;) {
+        if (isatty(0)) fputs(msg ? ". " : "> ", stdout), fflush(stdout);
+        ssize_t k = getline(&line, &cap, stdin);
+        if (k < 0) {
+            free(line);
+            if (msg) die("stdin: the input ended inside a continued message (its last line ends in \\)");
+            return NULL;
+        }
+        if (k && line[k - 1] == '\n') line[--k] = 0;
+        if (k && line[k - 1] == '\r') line[--k] = 0;
+        int more = k && line[k - 1] == '\\';
+        if (more) line[--k] = '\n', k++;
+        msg = realloc(msg, n + (size_t)k + 1);
+        if (!msg) die("out of memory");
+        memcpy(msg + n, line, (size_t)k + 1);
+        n += (size_t)k;
+        if (more) continue;
+        if (!strcmp(msg, "/exit")) { free(msg); free(line); return NULL; }
+        if (n) { free(line); *len = n; return msg; }
+        free(msg), msg = NULL;
+    }
+}
+
+/* --chat: one reply (to PROMPT, or to the conversation in -f FILE), or a conversation on stdin.
+ * With --dump-logits, the logits of every position of the conversation as the engine last
+ * computed them, and its ids on stderr. */
+static void chat_run(Engine *e, Chat *ch, const Tokenizer *tok, const ChatOpts *o, int interactive) {
+    ChatState cs = {.snap = -1};
+    engine_snapshot(e, 0, 1);   /* slot 0: the empty state, for "from the start" */
+    int turn = 1;
+    if (!interactive) chat_turn(e, ch, &cs, tok, o, turn);
+    else {
+        signal(SIGINT, chat_sigint);
+        size_t len;
+        for (char *m; (m = chat_read(&len)); free(m)) {
+            chat_add(ch, 'u', m, len);
+            chat_turn(e, ch, &cs, tok, o, turn++);
+        }
+    }
+    if (o->dump) {
+        if (fwrite(cs.rows, sizeof(float), (size_t)cs.n * e->c.vocab, o->dump) != (size_t)cs.n * e->c.vocab)
+            die("--dump-logits: write failed");
+        fprintf(stderr, "nemoh: conversation ids:");
+        for (int i = 0; i < cs.n; i++) fprintf(stderr, " %d", cs.ids[i]);
+        fprintf(stderr, "\n");
+    }
+    free(cs.ids);
+    free(cs.rows);
+}
+
+static void chat_free(Chat *ch) {
+    for (int i = 0; i < ch->n_msg; i++) free(ch->msg[i].text);
+    free(ch->msg);
+}
+
+/* ------------------------------------------------------------------------------------------------
  * Generation, benchmarks and the command line
  * ---------------------------------------------------------------------------------------------- */
 
@@ -2571,7 +3037,9 @@ int main(int argc, char **argv) {
     const char *dir = "weights", *ids_arg = NULL, *prompt = NULL, *dump_path = NULL, *preset = NULL, *tp_arg = "1";
     const char *tok_path = NULL, *prompt_file = NULL;
     int ctx = 0, use_cpu = 0, have_seed = 0, fuse = 1, graph = 1, chunk = 0, do_bench = 0, bench_ar = 0, P = 512;
-    int hidden = 4096, n_set = 0, encode = 0, print_ids = 0;
+    int hidden = 4096, n_set = 0, encode = 0, print_ids = 0, chat = 0, interactive = 0, hide_think = 0;
+    const char *system = NULL;
+    Chat ch = {.think = -1};
     GenOpts o = {256, 0.8f, 0.95f, 0, NULL, 0, 0, NULL};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -2601,6 +3069,12 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-P")) P = arg_int(a, VALUE(), 1, 1 << 24);
         else if (!strcmp(a, "--bench-allreduce")) bench_ar = 1;
         else if (!strcmp(a, "--hidden")) hidden = arg_int(a, VALUE(), 8, 1 << 16);
+        else if (!strcmp(a, "--chat")) chat = 1;
+        else if (!strcmp(a, "-i")) chat = interactive = 1;
+        else if (!strcmp(a, "--system")) system = VALUE();
+        else if (!strcmp(a, "--think")) ch.think = 1;
+        else if (!strcmp(a, "--no-think")) ch.think = 0;
+        else if (!strcmp(a, "--hide-think")) hide_think = 1;
         else if (a[0] == '-' && a[1]) die("%s: unknown option (see nemoh -h)", a);
         else if (prompt) die("%s: only one prompt argument is allowed (quote it)", a);
         else prompt = a;
@@ -2622,6 +3096,8 @@ int main(int argc, char **argv) {
     }
 
     if ((prompt != NULL) + (prompt_file != NULL) + (ids_arg != NULL) > 1) die("give one prompt: text, -f FILE or --ids");
+    if (!chat && (system || ch.think >= 0 || hide_think)) die("--system, --think, --no-think and --hide-think need --chat");
+    if (chat && (ids_arg || preset || do_bench)) die("--chat: takes a model directory and a text prompt (not --ids, --random or --bench)");
 
     /* the tokenizer: --tokenizer FILE, else the model directory's tokenizer.json when there is one */
     char tpath[4096];
@@ -2635,7 +3111,16 @@ int main(int argc, char **argv) {
     int n_prompt = 0, *tokens = NULL;
     const char *prompt_text = "";
     char *file_text = NULL;
-    if (ids_arg) {
+    if (chat) {   /* the conversation: --system, then -f FILE's messages or PROMPT; stdin after that */
+        chat_detect(&ch, dir, tok);
+        if (system) chat_add(&ch, 's', system, strlen(system));
+        if (prompt_file) chat_load(&ch, prompt_file);
+        if (system && ch.n_msg > 1 && ch.msg[1].role == 's') die("--system: -f %s has a system message already", prompt_file);
+        if (prompt) chat_add(&ch, 'u', prompt, strlen(prompt));
+        interactive |= !prompt && !prompt_file;
+        if (encode && interactive) die("--chat --encode: give the conversation (PROMPT or -f FILE)");
+        if (encode) tokens = chat_ids(&ch, tok, 1, &n_prompt);
+    } else if (ids_arg) {
         tokens = parse_ids(ids_arg, &n_prompt);
     } else if (!do_bench) {
         size_t len = prompt ? strlen(prompt) : 0;
@@ -2649,10 +3134,12 @@ int main(int argc, char **argv) {
         printf("\n");
         free(tokens);
         free(file_text);
+        chat_free(&ch);
         tok_free(tok);
         return 0;
     }
     o.tok = print_ids ? NULL : tok;
+    if (chat && !n_set) o.n = 1 << 30;   /* a reply ends at its end-of-turn token, or the context */
 
     const Backend *be = &cpu_backend;
 #ifdef NEMOH_CUDA
@@ -2676,7 +3163,7 @@ int main(int argc, char **argv) {
     check_tp(&e.c, tp);
     if (tok && tok_vocab_size(tok) > e.c.vocab)
         die("%s: %d tokens, more than the model's vocab_size %d", tok_path, tok_vocab_size(tok), e.c.vocab);
-    if (!do_bench && n_prompt == 0) die("the prompt is empty (and the tokenizer adds no BOS)");
+    if (!do_bench && !chat && n_prompt == 0) die("the prompt is empty (and the tokenizer adds no BOS)");
     for (int i = 0; i < n_prompt; i++)
         if (tokens[i] >= e.c.vocab) die("--ids: token id %d is outside the vocabulary (vocab_size %d)", tokens[i], e.c.vocab);
     if (n_prompt > ctx) die("the prompt has %d tokens, more than the context of %d (-c)", n_prompt, ctx);
@@ -2692,6 +3179,9 @@ int main(int argc, char **argv) {
     if (n_mtp) fprintf(stderr, "nemoh: %d mtp.* tensors (multi-token prediction heads) are not used\n", n_mtp);
     if (do_bench) {
         bench(&e, preset ? preset : dir, P, n_set ? o.n : 256, gpus > 0);
+    } else if (chat) {
+        ChatOpts co = {o.n, o.temp, o.topp, o.seed, hide_think, o.dump};
+        chat_run(&e, &ch, tok, &co, interactive);
     } else {
         if (o.tok) {  /* the prompt first (ids as the tokenizer decodes them), then the continuation */
             size_t len = 0;
@@ -2710,6 +3200,7 @@ int main(int argc, char **argv) {
     free_checkpoint(&ck);
     free(tokens);
     free(file_text);
+    chat_free(&ch);
     tok_free(tok);
     return 0;
 }

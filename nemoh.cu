@@ -157,6 +157,8 @@ typedef struct {
     int pend_nccl;              /* pend came from ncclMemAlloc (else cudaMalloc) */
     cudaGraphExec_t graph;      /* the captured single-token step */
     int capturing, captured;
+    char *snap;                 /* [SNAPSHOT_SLOTS, snap_bytes] saved conv windows + SSM states (--chat) */
+    size_t snap_bytes;          /* bytes of one snapshot: every Mamba layer's conv_st then ssm */
 } GpuRank;
 
 enum { FUSED_BLOCKS = 1024, NORM_THREADS = 1024, NORM_PER = 8 };
@@ -2350,6 +2352,7 @@ static void gpu_free(Rank *r) {
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     moe_free(g);
+    CUDA_CHECK(cudaFree(g->snap));
     CUDA_CHECK(cudaFreeHost(g->host_logits));
     CUDA_CHECK(cudaFreeHost(g->host_io));
     CUBLAS_CHECK(cublasDestroy(g->blas));
@@ -2358,9 +2361,34 @@ static void gpu_free(Rank *r) {
     r->st = NULL;
 }
 
+/* --chat's snapshots: device-to-device copies, in stream order, of every Mamba layer's conv window
+ * and SSM state into a slot of one buffer made at the first save, or back. The decode graph reads
+ * those same buffers, so a restored state is what its next replay sees. */
+static void gpu_snapshot(Rank *r, int slot, int save) {
+    GpuRank *g = G(r);
+    const Config *c = r->c;
+    size_t nc = (size_t)r->s.conv * 3 * sizeof(float), ns = (size_t)r->s.d_inner * c->d_state * sizeof(float);
+    CUDA_CHECK(cudaSetDevice(r->gpu));
+    if (!g->snap) {
+        for (int l = 0; l < c->n_layers; l++) g->snap_bytes += c->kind[l] == 'M' ? nc + ns : 0;
+        CUDA_CHECK(cudaMalloc(&g->snap, SNAPSHOT_SLOTS * g->snap_bytes + 1));
+    }
+    char *p = g->snap + slot * g->snap_bytes;
+    for (int l = 0; l < c->n_layers; l++) {
+        if (c->kind[l] != 'M') continue;
+        GLayer *D = &g->L[l];
+        CUDA_CHECK(cudaMemcpyAsync(save ? p : (char *)D->conv_st, save ? (char *)D->conv_st : p, nc, cudaMemcpyDeviceToDevice, g->stream));
+        CUDA_CHECK(cudaMemcpyAsync(save ? p + nc : (char *)D->ssm, save ? (char *)D->ssm : p + nc, ns, cudaMemcpyDeviceToDevice, g->stream));
+        p += nc + ns;
+    }
+}
+static void gpu_snapshot_save(Rank *r, int slot) { gpu_snapshot(r, slot, 1); }
+static void gpu_snapshot_load(Rank *r, int slot) { gpu_snapshot(r, slot, 0); }
+
 extern "C" const Backend cuda_backend = {
     "cuda", gpu_setup, gpu_teardown, gpu_init, gpu_free, gpu_replay, gpu_begin, gpu_end, gpu_embed, gpu_norm,
     gpu_mamba, gpu_attention, gpu_mlp, gpu_allreduce, gpu_logits, gpu_sample, gpu_host_logits, gpu_moe,
+    gpu_snapshot_save, gpu_snapshot_load,
 };
 
 /* ------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ extern "C" {
 
 enum { DT_F32, DT_BF16, DT_F16 };   /* storage dtypes nemoh reads */
 enum { MAX_LAYERS = 512, MAX_EOS = 8 };
+enum { SNAPSHOT_SLOTS = 2 };        /* saved recurrent states a rank keeps for --chat */
 
 typedef struct {
     int vocab;                  /* vocab_size */
@@ -146,6 +147,10 @@ typedef struct {
     const float *(*host_logits)(Rank *r, int rows);     /* the logits rows, readable on the host */
     void (*moe)(Rank *r, int l, int T);                 /* routed + shared experts' partial sums; NULL:
                                                            this backend has no mixture-of-experts layers */
+    /* Every Mamba layer's conv window and SSM state into slot (< SNAPSHOT_SLOTS), or back, on the
+     * state's own device; the KV cache needs no copy: positions past the resumed one are rewritten. */
+    void (*snapshot_save)(Rank *r, int slot);
+    void (*snapshot_load)(Rank *r, int slot);
 } Backend;
 
 struct Rank {
