@@ -2704,7 +2704,7 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
     if (n >= ctx) die("--chat: the conversation has %d tokens, more than the context of %d (-c)", n, ctx);
     int same = common_prefix(ids, n, cs->ids, cs->n), start;
     const char *from;
-    if (same == cs->n) start = cs->n, from = "the live state";
+    if (same == cs->n && cs->n) start = cs->n, from = "the live state";
     else if (cs->snap >= 0 && cs->snap <= same) engine_snapshot(e, 1, 0), start = cs->snap, from = "the turn-boundary snapshot";
     else engine_snapshot(e, 0, 0), start = 0, from = "the start";
     cs->ids = tok_grow(cs->ids, &cs->cap, (size_t)ctx, sizeof(int));
@@ -2985,6 +2985,16 @@ static void usage(void) {
           "  --bench-allreduce  time the fused all-reduce + add + RMSNorm against ncclAllReduce + add + RMSNorm\n"
           "                     for 1..2048 tokens over --tp GPUs (no weights needed)\n"
           "  --hidden N         hidden size for --bench-allreduce (default 4096)\n"
+          "  --chat             chat in the model's own format (its tokenizer_config.json chat_template or\n"
+          "                     chat_template.jinja): reply to PROMPT, to -f FILE (a JSON list of messages),\n"
+          "                     or without either hold a conversation on stdin: a message a line (a line\n"
+          "                     ending in \\ continues it), /exit or EOF ends, Ctrl-C stops a reply; with\n"
+          "                     --encode, print the rendered conversation's ids; -n: most tokens a reply\n"
+          "                     (default: until its end-of-turn token)\n"
+          "  -i                 a conversation on stdin (--chat without PROMPT)\n"
+          "  --system TEXT      the system message (--chat)\n"
+          "  --think, --no-think  the format's reasoning switch (--chat; default: the template's)\n"
+          "  --hide-think       do not print the reasoning (printed dimmed on a terminal otherwise)\n"
           "  -h, --help         this help\n", stdout);
 }
 

@@ -140,6 +140,77 @@ same "nemoh --encode -f: HF tokenizers' ids for the held-out text" "$got" "$(cat
 refuse "bad input: text prompt without a tokenizer" "tokenizer.json: cannot open" ./nemoh -m tests/fixtures/tiny-f32 "hello"
 refuse "bad input: missing -f file" "-f $T/none: cannot open" ./nemoh -f "$T/none"
 
+# ---- chat: the formats against @huggingface/jinja + HF tokenizers, the kept state, stdin, tmux ----
+C=tests/fixtures/chat
+# chat_encode BIN [tokenizer]: every rendering of expected.tsv (of that tokenizer); prints mismatches
+chat_encode() {
+    local bin=$1 only=${2:-} n=0 bad=0 fmt sw cas tk ids args got
+    while IFS=$'\t' read -r fmt sw cas tk ids; do
+        [[ $fmt == \#* ]] || { [ -n "$only" ] && [ "$tk" != "$only" ]; } && continue
+        args=(-m "$C/$fmt" --chat -f "$C/cases/$cas.json" --encode)
+        [ "$sw" != - ] && args+=("$sw")
+        [ "$tk" = tekken ] && args+=(--tokenizer tests/fixtures/tokenizer/tekken/tokenizer.json)
+        got=$("$bin" "${args[@]}" 2>&1); n=$((n + 1))
+        [ "$got" = "$ids" ] || { bad=$((bad + 1)); echo "$fmt $sw $cas ($tk tokenizer): got $got"; }
+    done < "$C/expected.tsv"
+    echo "$n renderings, $bad differ"; [ "$bad" -eq 0 ]
+}
+check "chat: --chat --encode equals HF's apply_chat_template ids (Nano v2, Nemotron 3, ChatML; fixture and Tekken vocabularies)" chat_encode ./nemoh
+check "asan chat: --chat --encode equals HF's ids (fixture vocabulary)" chat_encode "$ASAN" chat
+# chat_turns BIN FORMAT TAG TOL SWITCH [args...]: a scripted 3-turn conversation on stdin (SWITCH:
+# --think, --no-think or -), its logits at every position, then the same ids prefilled from
+# scratch: equal within TOL; turns 2 and 3 prefill less than their whole rendering
+chat_turns() {
+    local bin=$1 fmt=$2 tag=$3 tol=$4 sw=(); [ "$5" != - ] && sw=("$5"); shift 5
+    printf 'Hello there\nTell me a joke.\\\nA short one.\nWhy?\n' |
+        "$bin" -m "$C/$fmt" --chat -t 0 -n 12 --dump-logits "$T/$tag.bin" "${sw[@]}" "$@" >/dev/null 2>"$T/$tag.err"
+    local ids; ids=$(sed -n 's/^nemoh: conversation ids: //p' "$T/$tag.err")
+    "$bin" -m "$C/$fmt" --ids "$ids" -n 0 --dump-logits "$T/$tag-scratch.bin" "$@" >/dev/null 2>&1
+    check "$tag: 3 turns on stdin = the whole conversation prefilled from scratch (logits within $tol, $(wc -w <<< "$ids") positions)" \
+        "$T/compare_logits" "$T/$tag.bin" "$T/$tag-scratch.bin" "$tol"
+    local rep; rep=$(grep '^nemoh: turn' "$T/$tag.err")
+    if [ "$(wc -l <<< "$rep")" -eq 3 ] && awk '/turn [23]:/ { if ($5 >= $7) bad = 1 } END { exit bad }' <<< "$rep"; then
+        pass "$tag: turns 2 and 3 prefill fewer tokens than their rendering ($(awk '{ printf "%s%s/%s", (NR > 1 ? ", " : ""), $5, $7 }' <<< "$rep"))"
+    else fail "$tag: turns 2 and 3 prefill fewer tokens than their rendering" "$rep"; fi
+}
+for fmt in nano-v2 nemotron-3 chatml; do chat_turns ./nemoh $fmt "cpu chat $fmt" 0 - --cpu; done
+chat_turns ./nemoh nemotron-3 "cpu chat nemotron-3 --no-think" 0 --no-think --cpu
+chat_turns ./nemoh nemotron-3 "cpu chat nemotron-3 --tp 2" 0 - --cpu --tp 2
+chat_turns "$ASAN" nano-v2 "asan chat nano-v2" 0 -
+got=$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu --no-think 2>/dev/null)
+same "chat --hide-think: a reply without reasoning prints the same" "$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu --no-think --hide-think 2>/dev/null)" "$got"
+got=$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu 2>/dev/null)
+[ -n "$got" ] && [ -z "$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu --hide-think 2>/dev/null | tr -d '\n')" ] \
+    && pass "chat --hide-think: reasoning that never closes prints nothing (shown without the flag)" \
+    || fail "chat --hide-think: reasoning that never closes prints nothing (shown without the flag)" "$got"
+one=$(./nemoh -m $C/chatml --chat "Hello there" -t 0 -n 8 --cpu 2>/dev/null)
+same "chat: --chat PROMPT replies as the first stdin turn does" "$one" "$(printf 'Hello there\n' | ./nemoh -m $C/chatml --chat -t 0 -n 8 --cpu 2>/dev/null)"
+if ! command -v tmux >/dev/null; then
+    echo "skipped: chat under tmux (tmux not installed)"
+else
+    S=nemoh-chat-$$
+    tmux new-session -d -s $S -x 160 -y 20 "./nemoh -m $C/chatml -i -t 0 -n 8 --cpu 2>/dev/null; echo EXITED \$?; sleep 30"
+    # wait_pane TEXT: up to 10 s for TEXT to show in the pane
+    wait_pane() { for _ in $(seq 100); do tmux capture-pane -p -t $S | grep -qF -- "$1" && return 0; sleep 0.1; done; return 1; }
+    wait_pane ">" && tmux send-keys -t $S "Hello there" Enter
+    wait_pane "${one:0:8}" && pass "chat under tmux: the reply appears after the message" \
+        || fail "chat under tmux: the reply appears after the message" "$(tmux capture-pane -p -t $S)"
+    tmux send-keys -t $S "/exit" Enter
+    wait_pane "EXITED 0" && pass "chat under tmux: /exit ends nemoh (status 0)" || fail "chat under tmux: /exit ends nemoh (status 0)" "$(tmux capture-pane -p -t $S)"
+    tmux kill-session -t $S 2>/dev/null
+fi
+refuse "chat bad input: a model without a chat template" "has no chat template" ./nemoh -m weights --chat "hi"
+refuse "chat bad input: --think with a format without a switch" "has no reasoning switch" ./nemoh -m $C/chatml --chat --think "hi"
+printf 'one\\\ntwo\\\n' | ./nemoh -m $C/chatml --chat -n 2 --cpu >/dev/null 2>"$T/continued.err"
+rc=$? last=$(tail -1 "$T/continued.err")
+[ $rc -eq 1 ] && [[ $last == *"ended inside a continued message"* ]] && pass "chat bad input: a continued line at the end of stdin (exit 1: $last)" \
+    || fail "chat bad input: a continued line at the end of stdin" "exit $rc: $(cat "$T/continued.err")"
+printf '[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]' > "$T/conv.json"
+refuse "chat bad input: a conversation that does not end with a user message" "must end with a user message" ./nemoh -m $C/chatml --chat -f "$T/conv.json" --encode
+mkdir -p "$T/odd" && printf '{"chat_template": "{{ messages }}"}' > "$T/odd/tokenizer_config.json"
+refuse "chat bad input: a template of another format" "none of the formats" ./nemoh -m "$T/odd" --tokenizer $C/tokenizer.json --chat --encode "hi"
+refuse "chat bad input: --think without --chat" "need --chat" ./nemoh -m $C/chatml --think "hi"
+
 # ---- the default model: `./nemoh "Once upon a time"` prints English ----
 out=$(./nemoh "Once upon a time" -n 40 -s 3 2>/dev/null)
 words=$(printf '%s' "$out" | wc -w)
@@ -182,6 +253,9 @@ else
         check "GPU $f: --no-fuse = fused (within 1e-5)" "$T/compare_logits" "$T/gpu-$f-nofuse.bin" "$T/gpu-$f.bin" 1e-5
         check "GPU $f: = CPU at TP 1 (within $tol)" "$T/compare_logits" "$T/gpu-$f.bin" "$T/cpu $f.bin" "$tol"
     done
+    # --chat on the GPU: snapshots are device-to-device copies the replayed decode graph then reads
+    for fmt in nano-v2 nemotron-3; do chat_turns ./nemoh $fmt "GPU chat $fmt" 5e-2 -; done
+    chat_turns ./nemoh nemotron-3 "GPU chat nemotron-3 --no-graph" 5e-2 --no-think --no-graph
     ./nemoh -m weights --ids "$(cat tests/fixtures/default-ref/ids.txt)" -n 1 -t 0 --dump-logits "$T/gdef.bin" >/dev/null 2>&1
     check "GPU default model: held-out logits within 5e-2 of HF" "$T/compare_logits" "$T/gdef.bin" tests/fixtures/default-ref/ref_logits.bin 5e-2
     g1=$(./nemoh -m tests/fixtures/tiny-bf16 --ids "$(cat tests/fixtures/tiny-bf16/prompt.txt)" -n 40 -t 1 -p 0.9 -s 7 2>/dev/null)
