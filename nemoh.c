@@ -2413,7 +2413,8 @@ typedef struct {
     int *ids, n;                /* the tokens the engine has consumed, in order */
     size_t cap;                 /* allocated ids */
     int snap;                   /* position snapshot slot 1 holds (a turn boundary), -1: none */
-    float *rows;                /* [cap, vocab] with --dump-logits: each position's logits */
+    float *rows;                /* [rows_cap / vocab, vocab] with --dump-logits: each position's logits */
+    size_t rows_cap;            /* allocated floats of rows */
 } ChatState;
 
 static int is_eos(const Config *c, int id);
@@ -2568,9 +2569,9 @@ static char *chat_render(const Chat *ch, int gen, const char **open, size_t *len
 
 /* The ids of the rendered conversation, as apply_chat_template gives them: the tokenizer's
  * post-processor adds nothing (add_special_tokens=False), so its BOS is taken off again. */
-static int *chat_ids(const Chat *ch, const Tokenizer *tok, int gen, int *n) {
+static int *chat_ids(const Chat *ch, const Tokenizer *tok, int gen, const char **open, int *n) {
     size_t len;
-    char *text = chat_render(ch, gen, NULL, &len);
+    char *text = chat_render(ch, gen, open, &len);
     int *ids = tok_encode(tok, text, len, n);
     free(text);
     *n -= tok->n_pre + tok->n_post;
@@ -2662,14 +2663,20 @@ static void chat_load(Chat *ch, const char *path) {
     if (!ch->n_msg || ch->msg[ch->n_msg - 1].role != 'u') die("-f %s: the conversation must end with a user message", path);
 }
 
-/* Prefills ids[from..to) at their positions, keeping each position's logits for --dump-logits. */
+/* Runs tokens tok[0..T) at positions pos.., keeping their logits for --dump-logits. */
+static void chat_forward(Engine *e, ChatState *cs, const int *tok, int T, int pos, const ChatOpts *o) {
+    size_t V = (size_t)e->c.vocab;
+    engine_forward(e, tok, T, pos, o->dump != NULL);
+    if (!o->dump) return;
+    cs->rows = tok_grow(cs->rows, &cs->rows_cap, ((size_t)pos + T) * V, sizeof(float));
+    memcpy(cs->rows + pos * V, e->be->host_logits(&e->rank[0], T), T * V * sizeof(float));
+}
+
+/* Prefills ids[from..to) at their positions, in chunks of t_max. */
 static void chat_prefill(Engine *e, ChatState *cs, const int *ids, int from, int to, const ChatOpts *o) {
-    int t_max = e->rank[0].t_max, V = e->c.vocab;
-    for (int pos = from; pos < to;) {
-        int T = to - pos < t_max ? to - pos : t_max;
-        engine_forward(e, ids + pos, T, pos, o->dump != NULL);
-        if (o->dump) memcpy(cs->rows + (size_t)pos * V, e->be->host_logits(&e->rank[0], T), (size_t)T * V * sizeof(float));
-        pos += T;
+    for (int pos = from, T; pos < to; pos += T) {
+        T = to - pos < e->rank[0].t_max ? to - pos : e->rank[0].t_max;
+        chat_forward(e, cs, ids + pos, T, pos, o);
     }
 }
 
@@ -2695,10 +2702,9 @@ static void chat_sigint(int sig) {
  * conversation. Mamba state cannot be rewound, so the snapshot is what makes the second case cheap:
  * the Nemotron 3 and Nano v2 templates re-render the previous reply without its reasoning. */
 static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, const ChatOpts *o, int turn) {
-    int n, nb, ctx = e->rank[0].ctx, V = e->c.vocab;
+    int n, nb, ctx = e->rank[0].ctx;
     const char *opening;
-    free(chat_render(ch, 1, &opening, &(size_t){0}));
-    int *ids = chat_ids(ch, tok, 1, &n), *before = chat_ids(ch, tok, 0, &nb);
+    int *ids = chat_ids(ch, tok, 1, &opening, &n), *before = chat_ids(ch, tok, 0, NULL, &nb);
     int bound = common_prefix(ids, n, before, nb);   /* where the generation prompt starts */
     free(before);
     if (n >= ctx) die("--chat: the conversation has %d tokens, more than the context of %d (-c)", n, ctx);
@@ -2708,7 +2714,6 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
     else if (cs->snap >= 0 && cs->snap <= same) engine_snapshot(e, 1, 0), start = cs->snap, from = "the turn-boundary snapshot";
     else engine_snapshot(e, 0, 0), start = 0, from = "the start";
     cs->ids = tok_grow(cs->ids, &cs->cap, (size_t)ctx, sizeof(int));
-    if (o->dump && !cs->rows) cs->rows = xcalloc((size_t)ctx * V, sizeof(float));
     memcpy(cs->ids, ids, (size_t)n * sizeof(int));
     double t0 = now_s();
     if (start <= bound) {
@@ -2720,7 +2725,7 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
     free(ids);
 
     /* the reply: reasoning (until </think>) dimmed on a terminal, or not shown with --hide-think */
-    int pos = n, made = 0, *reply = xmalloc(((size_t)o->n + 1) * sizeof(int));
+    int pos = n, made = 0, *reply = xmalloc((size_t)(ctx - n + 1) * sizeof(int));
     int thinking = !strcmp(opening, "<think>\n") && ch->think_end >= 0, tty = isatty(1);
     TokStream ts = {0};
     if (thinking && tty && !o->hide_think) fputs("\033[2m", stdout);
@@ -2735,8 +2740,7 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
             if (tty && !o->hide_think) fputs("\033[0m", stdout);
         }
         if (pos + 1 >= ctx || i == o->n - 1) break;
-        engine_forward(e, &next, 1, pos, o->dump != NULL);
-        if (o->dump) memcpy(cs->rows + (size_t)pos * V, e->be->host_logits(&e->rank[0], 1), (size_t)V * sizeof(float));
+        chat_forward(e, cs, &next, 1, pos, o);
         cs->ids[pos++] = next;
     }
     chat_replying = 0;
@@ -3129,7 +3133,7 @@ int main(int argc, char **argv) {
         if (prompt) chat_add(&ch, 'u', prompt, strlen(prompt));
         interactive |= !prompt && !prompt_file;
         if (encode && interactive) die("--chat --encode: give the conversation (PROMPT or -f FILE)");
-        if (encode) tokens = chat_ids(&ch, tok, 1, &n_prompt);
+        if (encode) tokens = chat_ids(&ch, tok, 1, NULL, &n_prompt);
     } else if (ids_arg) {
         tokens = parse_ids(ids_arg, &n_prompt);
     } else if (!do_bench) {
