@@ -2710,7 +2710,7 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
     if (n >= ctx) die("--chat: the conversation has %d tokens, more than the context of %d (-c)", n, ctx);
     int same = common_prefix(ids, n, cs->ids, cs->n), start;
     const char *from;
-    if (same == cs->n && cs->n) start = cs->n, from = "the live state";
+    if (same == cs->n && cs->n && cs->n < n) start = cs->n, from = "the live state";
     else if (cs->snap >= 0 && cs->snap <= same) engine_snapshot(e, 1, 0), start = cs->snap, from = "the turn-boundary snapshot";
     else engine_snapshot(e, 0, 0), start = 0, from = "the start";
     cs->ids = tok_grow(cs->ids, &cs->cap, (size_t)ctx, sizeof(int));
