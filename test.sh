@@ -198,6 +198,11 @@ else
     tmux send-keys -t $S "/exit" Enter
     wait_pane "EXITED 0" && pass "chat under tmux: /exit ends nemoh (status 0)" || fail "chat under tmux: /exit ends nemoh (status 0)" "$(tmux capture-pane -p -t $S)"
     tmux kill-session -t $S 2>/dev/null
+    tmux new-session -d -s $S -x 160 -y 20 "./nemoh -m $C/chatml --chat -t 0 -n 8 --cpu 2>/dev/null; echo EXITED \$?; sleep 30"
+    wait_pane ">" && tmux send-keys -t $S C-c
+    wait_pane "EXITED 130" && pass "chat under tmux: Ctrl-C at the prompt ends nemoh (status 130)" \
+        || fail "chat under tmux: Ctrl-C at the prompt ends nemoh (status 130)" "$(tmux capture-pane -p -t $S)"
+    tmux kill-session -t $S 2>/dev/null
 fi
 refuse "chat bad input: a model without a chat template" "has no chat template" ./nemoh -m weights --chat "hi"
 refuse "chat bad input: --think with a format without a switch" "has no reasoning switch" ./nemoh -m $C/chatml --chat --think "hi"
