@@ -2382,9 +2382,9 @@ static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t se
  * Chat: the instruct checkpoints' own formats, and a conversation that keeps its state
  * ---------------------------------------------------------------------------------------------- */
 
-/* nemoh renders the chat templates NVIDIA ships (the .jinja files in tools/chat) in C, byte for byte what
- * transformers' apply_chat_template(..., add_generation_prompt=True) gives, without a Jinja
- * interpreter: the template's text only tells which format a checkpoint uses. */
+/* nemoh renders the chat templates NVIDIA ships (the .jinja files in tools/chat) in C, byte for
+ * byte what transformers' apply_chat_template(..., add_generation_prompt=True) gives, without a
+ * Jinja interpreter: the template's text only tells which format a checkpoint uses. */
 enum { FMT_NANO2, FMT_NEMOTRON3, FMT_CHATML };
 static const char *const fmt_name[] = {"Nemotron-Nano v2 / Nemotron-H", "Nemotron 3", "ChatML"};
 
@@ -2485,10 +2485,12 @@ static char *chat_render(const Chat *ch, int gen, const char **open, size_t *len
         const ChatMsg **v = xmalloc(((size_t)n + 1) * sizeof *v);
         int nv = 0;
         if (ch->think >= 0) {
-            const char *kw = ch->think ? "/think" : "/no_think";
+            const char *kw = sys ? ch->think ? "\n/think" : "\n/no_think" : ch->think ? "/think" : "/no_think";
             size_t l0 = sys ? ch->msg[0].len : 0;
-            s0.text = xmalloc(l0 + 12);
-            s0.len = (size_t)snprintf(s0.text, l0 + 12, "%.*s%s%s", (int)l0, sys ? ch->msg[0].text : "", sys ? "\n" : "", kw);
+            s0.text = xmalloc(l0 + strlen(kw) + 1);
+            if (sys) memcpy(s0.text, ch->msg[0].text, l0);
+            memcpy(s0.text + l0, kw, strlen(kw) + 1);
+            s0.len = l0 + strlen(kw);
             v[nv++] = &s0;
         }
         for (int i = ch->think >= 0 && sys; i < n; i++) v[nv++] = &ch->msg[i];
@@ -2528,7 +2530,9 @@ static char *chat_render(const Chat *ch, int gen, const char **open, size_t *len
            assistant turn before the last user message keeps only what follows its last </think> */
         int last_user = -1;
         for (int i = sys; i < n; i++) if (ch->msg[i].role == 'u') last_user = i;
-        fprintf(f, "<|im_start|>system\n%.*s<|im_end|>\n", sys ? (int)ch->msg[0].len : 0, sys ? ch->msg[0].text : "");
+        fputs("<|im_start|>system\n", f);
+        if (sys) fwrite(ch->msg[0].text, 1, ch->msg[0].len, f);
+        fputs("<|im_end|>\n", f);
         for (int i = sys; i < n; i++) {
             const ChatMsg *m = &ch->msg[i];
             if (m->role != 'a') {
@@ -2655,7 +2659,8 @@ static void chat_load(Chat *ch, const char *path) {
     if (doc.nodes->type != J_ARR) die("-f %s: a conversation is a JSON array of messages", path);
     for (const Json *m = doc.nodes->child; m; m = m->next) {
         const Json *r = json_get(m, "role"), *c = json_get(m, "content");
-        if (!r || r->type != J_STR || !c || c->type != J_STR || (strcmp(r->str, "system") && strcmp(r->str, "user") && strcmp(r->str, "assistant")))
+        if (!r || r->type != J_STR || !c || c->type != J_STR ||
+            (strcmp(r->str, "system") && strcmp(r->str, "user") && strcmp(r->str, "assistant")))
             die("-f %s: message %d is not {\"role\": system, user or assistant, \"content\": text}", path, ch->n_msg + 1);
         chat_add(ch, r->str[0], c->str, (size_t)c->len);
     }
