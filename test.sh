@@ -190,8 +190,8 @@ if ! command -v tmux >/dev/null; then
 else
     S=nemoh-chat-$$
     tmux new-session -d -s $S -x 160 -y 20 "./nemoh -m $C/chatml -i -t 0 -n 8 --cpu 2>/dev/null; echo EXITED \$?; sleep 30"
-    # wait_pane TEXT: up to 10 s for TEXT to show in the pane
-    wait_pane() { for _ in $(seq 100); do tmux capture-pane -p -t $S | grep -qF -- "$1" && return 0; sleep 0.1; done; return 1; }
+    # wait_pane TEXT: up to 30 s (a loaded machine) for TEXT to show in the pane
+    wait_pane() { for _ in $(seq 300); do tmux capture-pane -p -t $S | grep -qF -- "$1" && return 0; sleep 0.1; done; return 1; }
     wait_pane ">" && tmux send-keys -t $S "Hello there" Enter
     wait_pane "${one:0:8}" && pass "chat under tmux: the reply appears after the message" \
         || fail "chat under tmux: the reply appears after the message" "$(tmux capture-pane -p -t $S)"
@@ -215,6 +215,8 @@ refuse "chat bad input: a conversation that does not end with a user message" "m
 mkdir -p "$T/odd" && printf '{"chat_template": "{{ messages }}"}' > "$T/odd/tokenizer_config.json"
 refuse "chat bad input: a template of another format" "none of the formats" ./nemoh -m "$T/odd" --tokenizer $C/tokenizer.json --chat --encode "hi"
 refuse "chat bad input: --think without --chat" "need --chat" ./nemoh -m $C/chatml --think "hi"
+refuse "chat bad input: a tokenizer without the format's special tokens" "not have as one token" \
+    ./nemoh -m $C/nano-v2 --tokenizer tests/fixtures/tokenizer/gpt2/tokenizer.json --chat --encode "hi"
 
 # ---- the default model: `./nemoh "Once upon a time"` prints English ----
 out=$(./nemoh "Once upon a time" -n 40 -s 3 2>/dev/null)
