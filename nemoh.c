@@ -2792,21 +2792,19 @@ static char *chat_read(size_t *len) {
     }
 }
 
-/* --chat: one reply (to PROMPT, or to the conversation in -f FILE), or a conversation on stdin.
- * With --dump-logits, the logits of every position of the conversation as the engine last
+/* --chat: the reply to PROMPT or to the conversation in -f FILE, then (interactive) a conversation
+ * on stdin. With --dump-logits, the logits of every position of the conversation as the engine last
  * computed them, and its ids on stderr. */
 static void chat_run(Engine *e, Chat *ch, const Tokenizer *tok, const ChatOpts *o, int interactive) {
     ChatState cs = {.snap = -1};
     engine_snapshot(e, 0, 1);   /* slot 0: the empty state, for "from the start" */
     int turn = 1;
-    if (!interactive) chat_turn(e, ch, &cs, tok, o, turn);
-    else {
-        signal(SIGINT, chat_sigint);
-        size_t len;
-        for (char *m; (m = chat_read(&len)); free(m)) {
-            chat_add(ch, 'u', m, len);
-            chat_turn(e, ch, &cs, tok, o, turn++);
-        }
+    if (interactive) signal(SIGINT, chat_sigint);
+    if (ch->n_msg && ch->msg[ch->n_msg - 1].role == 'u') chat_turn(e, ch, &cs, tok, o, turn++);
+    size_t len;
+    for (char *m; interactive && (m = chat_read(&len)); free(m)) {
+        chat_add(ch, 'u', m, len);
+        chat_turn(e, ch, &cs, tok, o, turn++);
     }
     if (o->dump) {
         if (fwrite(cs.rows, sizeof(float), (size_t)cs.n * e->c.vocab, o->dump) != (size_t)cs.n * e->c.vocab)
@@ -3000,7 +2998,7 @@ static void usage(void) {
           "                     ending in \\ continues it), /exit or EOF ends, Ctrl-C stops a reply; with\n"
           "                     --encode, print the rendered conversation's ids; -n: most tokens a reply\n"
           "                     (default: until its end-of-turn token)\n"
-          "  -i                 a conversation on stdin (--chat without PROMPT)\n"
+          "  -i                 a conversation on stdin (--chat; after the reply to PROMPT or -f FILE)\n"
           "  --system TEXT      the system message (--chat)\n"
           "  --think, --no-think  the format's reasoning switch (--chat; default: the template's)\n"
           "  --hide-think       do not print the reasoning (printed dimmed on a terminal otherwise)\n"
@@ -3137,7 +3135,7 @@ int main(int argc, char **argv) {
         if (system && ch.n_msg > 1 && ch.msg[1].role == 's') die("--system: -f %s has a system message already", prompt_file);
         if (prompt) chat_add(&ch, 'u', prompt, strlen(prompt));
         interactive |= !prompt && !prompt_file;
-        if (encode && interactive) die("--chat --encode: give the conversation (PROMPT or -f FILE)");
+        if (encode && !prompt && !prompt_file) die("--chat --encode: give the conversation (PROMPT or -f FILE)");
         if (encode) tokens = chat_ids(&ch, tok, 1, NULL, &n_prompt);
     } else if (ids_arg) {
         tokens = parse_ids(ids_arg, &n_prompt);

@@ -185,24 +185,27 @@ got=$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu 2>/dev/null)
     || fail "chat --hide-think: reasoning that never closes prints nothing (shown without the flag)" "$got"
 one=$(./nemoh -m $C/chatml --chat "Hello there" -t 0 -n 8 --cpu 2>/dev/null)
 same "chat: --chat PROMPT replies as the first stdin turn does" "$one" "$(printf 'Hello there\n' | ./nemoh -m $C/chatml --chat -t 0 -n 8 --cpu 2>/dev/null)"
+got=$(printf 'Why?\n' | ./nemoh -m $C/chatml -i "Hello there" -t 0 -n 8 --cpu 2>&1 >/dev/null | grep -c '^nemoh: turn')
+same "chat: -i PROMPT replies to PROMPT, then to each stdin line (turns)" "$got $(printf 'Why?\n' | ./nemoh -m $C/chatml -i "Hello there" -t 0 -n 8 --cpu 2>/dev/null | head -1)" "2 $one"
 if ! command -v tmux >/dev/null; then
     echo "skipped: chat under tmux (tmux not installed)"
 else
-    S=nemoh-chat-$$
-    tmux new-session -d -s $S -x 160 -y 20 "./nemoh -m $C/chatml -i -t 0 -n 8 --cpu 2>/dev/null; echo EXITED \$?; sleep 30"
-    # wait_pane TEXT: up to 30 s (a loaded machine) for TEXT to show in the pane
-    wait_pane() { for _ in $(seq 300); do tmux capture-pane -p -t $S | grep -qF -- "$1" && return 0; sleep 0.1; done; return 1; }
-    wait_pane ">" && tmux send-keys -t $S "Hello there" Enter
-    wait_pane "${one:0:8}" && pass "chat under tmux: the reply appears after the message" \
-        || fail "chat under tmux: the reply appears after the message" "$(tmux capture-pane -p -t $S)"
-    tmux send-keys -t $S "/exit" Enter
-    wait_pane "EXITED 0" && pass "chat under tmux: /exit ends nemoh (status 0)" || fail "chat under tmux: /exit ends nemoh (status 0)" "$(tmux capture-pane -p -t $S)"
-    tmux kill-session -t $S 2>/dev/null
-    tmux new-session -d -s $S -x 160 -y 20 "./nemoh -m $C/chatml --chat -t 0 -n 8 --cpu 2>/dev/null; echo EXITED \$?; sleep 30"
-    wait_pane ">" && tmux send-keys -t $S C-c
-    wait_pane "EXITED 130" && pass "chat under tmux: Ctrl-C at the prompt ends nemoh (status 130)" \
-        || fail "chat under tmux: Ctrl-C at the prompt ends nemoh (status 130)" "$(tmux capture-pane -p -t $S)"
-    tmux kill-session -t $S 2>/dev/null
+    # a server of its own (-L): sessions here never meet another run's; killed at the end
+    X=(tmux -L nemoh-chat-$$)
+    # wait_pane S TEXT: up to 30 s (a loaded machine) for TEXT to show in session S's pane
+    wait_pane() { for _ in $(seq 300); do "${X[@]}" capture-pane -p -t $1 | grep -qF -- "$2" && return 0; sleep 0.1; done; return 1; }
+    "${X[@]}" new-session -d -s talk -x 160 -y 20 "./nemoh -m $C/chatml -i -t 0 -n 8 --cpu 2>/dev/null; echo EXITED \$?; sleep 60"
+    wait_pane talk ">" && "${X[@]}" send-keys -t talk "Hello there" Enter
+    wait_pane talk "${one:0:8}" && pass "chat under tmux: the reply appears after the message" \
+        || fail "chat under tmux: the reply appears after the message" "$("${X[@]}" capture-pane -p -t talk)"
+    "${X[@]}" send-keys -t talk "/exit" Enter
+    wait_pane talk "EXITED 0" && pass "chat under tmux: /exit ends nemoh (status 0)" \
+        || fail "chat under tmux: /exit ends nemoh (status 0)" "$("${X[@]}" capture-pane -p -t talk)"
+    "${X[@]}" new-session -d -s stop -x 160 -y 20 "./nemoh -m $C/chatml --chat -t 0 -n 8 --cpu 2>/dev/null; echo EXITED \$?; sleep 60"
+    wait_pane stop ">" && "${X[@]}" send-keys -t stop C-c
+    wait_pane stop "EXITED 130" && pass "chat under tmux: Ctrl-C at the prompt ends nemoh (status 130)" \
+        || fail "chat under tmux: Ctrl-C at the prompt ends nemoh (status 130)" "$("${X[@]}" capture-pane -p -t stop)"
+    "${X[@]}" kill-server 2>/dev/null
 fi
 refuse "chat bad input: a model without a chat template" "has no chat template" ./nemoh -m weights --chat "hi"
 refuse "chat bad input: --think with a format without a switch" "has no reasoning switch" ./nemoh -m $C/chatml --chat --think "hi"
