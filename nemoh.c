@@ -186,11 +186,6 @@ static void matmul(float *out, int ldo, const float *x, int ldx, int T, const Ma
         for (int t = 0; t < T; t++) out[(size_t)t * ldo + i] = dot_row(W, i, x + (size_t)t * ldx);
 }
 
-static float silu(float x) { return x / (1.0f + expf(-x)); }
-
-/* softplus(x) = log(1 + e^x), linear above 20 as torch and the Mamba kernels do */
-static float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-
 /* out = x * rsqrt(mean(x^2) + eps) * w over n elements */
 static void rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
     float ss = 0;

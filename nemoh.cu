@@ -475,7 +475,7 @@ __global__ void conv_kernel(float *out, const float *in, int ldi, float *state, 
         a += w1 * h[1];
         a += w2 * h[2];
         a += w3 * cur;
-        out[(size_t)t * C + c] = a / (1.0f + __expf(-a));
+        out[(size_t)t * C + c] = silu(a);
         h[0] = h[1]; h[1] = h[2]; h[2] = cur;
     }
     if (T == 1) {
@@ -546,8 +546,8 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
     /* the row this lane writes (see the reduce-scatter below); its z and gw are ready (see LAUNCH) */
     int row = 2 * ((sub & (LR / 2)) != 0) + ((sub & (LR / 4)) != 0), pw = p0 + q * 4 + row;
     int writer = (sub & (LR / 4 - 1)) == 0 && pw < P;
-    float zw = 0, gww = 0, uu = 0;   /* z, gw of that row; sum of u^2 */
-    if (gss && writer) { zw = proj[h * P + pw]; gww = gw[h * P + pw]; }
+    float gate = 0, gww = 0, uu = 0;   /* silu(z), gw of that row; sum of u^2 */
+    if (gss && writer) { gate = silu(proj[h * P + pw]); gww = gw[h * P + pw]; }
     pdl_wait();
     auto stage = [&](int t0, int buf) {   /* the inputs of steps t0 .. t0 + chunk - 1 into buffer buf */
         int steps = min(chunk, T - t0);
@@ -573,7 +573,7 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
         __syncthreads();   /* this chunk's inputs have landed, for every thread */
         const float *sB = sm + buf * buf_len, *sC = sB + chunk * N, *sx = sC + chunk * N, *sraw = sx + chunk * rpb;
         if (threadIdx.x < steps) {
-            float raw = sraw[threadIdx.x] + bias, dt = raw > 20.0f ? raw : log1pf(__expf(raw));
+            float dt = softplus(sraw[threadIdx.x] + bias);
             sdt[threadIdx.x] = dt;
             sdA[threadIdx.x] = __expf(dt * a);
         }
@@ -603,7 +603,7 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
             if (writer) {
                 float yv = r + d * xs[row];
                 if (gss) {
-                    float u = yv * zw / (1.0f + __expf(-zw));
+                    float u = yv * gate;
                     uu += u * u;
                     yv = u * gww;
                 }
@@ -681,7 +681,7 @@ __global__ void __launch_bounds__(1024) gated_norm_kernel(float *y, const float 
     for (int k = 0; k < GN_PER; k++) {
         int i = threadIdx.x + k * blockDim.x;
         float zv = i < gsize ? zr[i] : 0.0f;
-        u[k] = i < gsize ? yr[i] * zv / (1.0f + __expf(-zv)) : 0.0f;
+        u[k] = i < gsize ? yr[i] * silu(zv) : 0.0f;
         ss += u[k] * u[k];
     }
     float scale = rsqrtf(block_sum(ss) / gsize + eps);

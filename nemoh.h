@@ -216,6 +216,21 @@ static inline float load_f32(const void *p, int dtype, size_t i) {
     return dtype == DT_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
 }
 
+/* e^x: the GPU's fast approximation (__expf, a few ulp) in kernels, libm's expf on the host. */
+static inline NEMOH_HD float fast_exp(float x) {
+#ifdef __CUDA_ARCH__
+    return __expf(x);
+#else
+    return expf(x);
+#endif
+}
+
+/* silu(x) = x * sigmoid(x) = x / (1 + e^-x) */
+static inline NEMOH_HD float silu(float x) { return x / (1.0f + fast_exp(-x)); }
+
+/* softplus(x) = log(1 + e^x), linear above 20 as torch and the Mamba kernels do */
+static inline NEMOH_HD float softplus(float x) { return x > 20.0f ? x : log1pf(fast_exp(x)); }
+
 /* A counter-based uniform draw in [0,1): the same (seed, step) gives the same coin on CPU and GPU. */
 static inline NEMOH_HD float coin(uint64_t seed, uint64_t step) {
     uint64_t z = seed + 0x9E3779B97F4A7C15ull * (step + 1);      /* splitmix64 */
