@@ -1796,7 +1796,7 @@ static void gpu_allreduce(Rank *r, int T) {
 /* Layer l's first product (lm_head after the last layer): what the product before it warms L2 for. */
 static const GMat *first_product(GpuRank *g, const Config *c, int l) {
     if (l >= c->n_layers) return &g->lm_head;
-    return c->kind[l] == 'M' ? &g->L[l].in_proj : c->kind[l] == '*' ? &g->L[l].qkv : c->kind[l] == 'E' ? &g->L[l].sup : &g->L[l].up;
+    return c->kind[l] == K_MAMBA ? &g->L[l].in_proj : c->kind[l] == K_ATTN ? &g->L[l].qkv : c->kind[l] == K_MOE ? &g->L[l].sup : &g->L[l].up;
 }
 
 /* Where the current mixer writes its partial sums. */
@@ -2045,7 +2045,7 @@ static void *gpu_setup(const Config *c, int n, int t_max, int logit_rows) {
     if (!sh) { fprintf(stderr, "nemoh: out of memory\n"); exit(1); }
     int have = cuda_devices();
     if (n > have) { fprintf(stderr, "nemoh: --tp %d: only %d GPU%s visible\n", n, have, have == 1 ? "" : "s"); exit(1); }
-    if (has_kind(c, 'M')) {
+    if (has_kind(c, K_MAMBA)) {
         int N = c->d_state;
         if (c->d_conv != 4 || N < 8 || N > 256 || (N & (N - 1))) {
             fprintf(stderr, "nemoh: the CUDA backend needs conv_kernel 4 and ssm_state_size a power of two in 8..256 "
@@ -2053,11 +2053,11 @@ static void *gpu_setup(const Config *c, int n, int t_max, int logit_rows) {
             exit(1);
         }
     }
-    if (has_kind(c, 'M') && c->m_heads * c->m_hdim / c->n_groups > GN_PER * 1024) {
+    if (has_kind(c, K_MAMBA) && c->m_heads * c->m_hdim / c->n_groups > GN_PER * 1024) {
         fprintf(stderr, "nemoh: the CUDA backend needs mamba groups of at most %d channels; use --cpu\n", GN_PER * 1024);
         exit(1);
     }
-    if (has_kind(c, 'E') && (c->n_experts > MOE_MAX_EXPERTS || c->top_k > MOE_MAX_TOPK)) {
+    if (has_kind(c, K_MOE) && (c->n_experts > MOE_MAX_EXPERTS || c->top_k > MOE_MAX_TOPK)) {
         fprintf(stderr, "nemoh: the CUDA backend needs at most %d routed experts and %d chosen a token (have %d, %d); use --cpu\n",
                 MOE_MAX_EXPERTS, MOE_MAX_TOPK, c->n_experts, c->top_k);
         exit(1);
@@ -2150,10 +2150,10 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g) {
     for (int l = 0; l < c->n_layers; l++) {
         const Layer *L = &w->layer[l];
         b += H * f;
-        if (L->kind == 'M')
+        if (L->kind == K_MAMBA)
             b += mat_bytes(&L->in_proj[0], s->in_proj) + mat_bytes(&L->out, (int)H) +
                  ((size_t)s->conv * 8 + 3 * s->m_heads + 2 * s->d_inner + (size_t)s->d_inner * c->d_state) * f;
-        else if (L->kind == '*')
+        else if (L->kind == K_ATTN)
             b += mat_bytes(&L->wq, (s->q + 2 * s->kv) * c->head_dim) + mat_bytes(&L->wo, (int)H) +
                  2 * (size_t)r->ctx * s->kv * c->head_dim * (L->wq.dtype == DT_BF16 ? 2 : 4);   /* the cache: see GLayer */
         else if (L->kind == '-')
@@ -2163,7 +2163,7 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g) {
                  mat_bytes(&L->edown[0], c->n_experts * (c->latent ? c->latent : (int)H)) + mat_bytes(&L->sup, s->shared) +
                  mat_bytes(&L->sdown, (int)H) + (c->latent ? mat_bytes(&L->lat_in, c->latent) + mat_bytes(&L->lat_out, (int)H) : 0);
     }
-    if (has_kind(c, 'E')) {   /* moe_alloc's buffers */
+    if (has_kind(c, K_MOE)) {   /* moe_alloc's buffers */
         size_t TK = T * c->top_k, d = c->latent ? c->latent : H, la = pad8(std::max((int)d, s->moe));
         b += TK * (3 + la + s->moe + d) * f + T * ((size_t)c->n_experts + 2 * c->latent) * f;
     }
@@ -2244,7 +2244,7 @@ static void gpu_init(Rank *r) {
         const Layer *L = &w->layer[l];
         GLayer *D = &g->L[l];
         D->norm = upload_f32(L->norm, H);
-        if (L->kind == 'M') {
+        if (L->kind == K_MAMBA) {
             D->in_proj = upload_mat(L->in_proj, 5);
             D->conv_w = upload_f32(L->conv_w, (size_t)s->conv * 4);
             D->conv_b = upload_f32(L->conv_b, (size_t)s->conv);
@@ -2255,7 +2255,7 @@ static void gpu_init(Rank *r) {
             D->out = upload_mat(&L->out, 1);
             D->conv_st = zeros((size_t)s->conv * 3);
             D->ssm = zeros((size_t)s->d_inner * c->d_state);
-        } else if (L->kind == '*') {
+        } else if (L->kind == K_ATTN) {
             Mat qkv[3] = {L->wq, L->wk, L->wv};
             D->qkv = upload_mat(qkv, 3);
             D->o = upload_mat(&L->wo, 1);
@@ -2284,7 +2284,7 @@ static void gpu_init(Rank *r) {
             }
         }
     }
-    if (has_kind(c, 'E')) {
+    if (has_kind(c, K_MOE)) {
         MoeShape ms = moe_shape(r);
         moe_alloc(g, &ms, (int)T);
     }

@@ -29,11 +29,14 @@ enum { DT_F32, DT_BF16, DT_F16 };   /* storage dtypes nemoh reads */
 enum { MAX_LAYERS = 512, MAX_EOS = 8 };
 enum { SNAPSHOT_SLOTS = 2 };        /* saved recurrent states a rank keeps for --chat */
 
+/* Layer kinds: the letters of the layer pattern, so a kind compares equal to its character literal. */
+enum { K_MAMBA = 'M', K_ATTN = '*', K_MLP = '-', K_MOE = 'E' };
+
 typedef struct {
     int vocab;                  /* vocab_size */
     int hidden;                 /* hidden_size */
     int n_layers;               /* number of blocks */
-    char kind[MAX_LAYERS];      /* [n_layers] 'M' Mamba2, '*' attention, '-' MLP, 'E' mixture of experts */
+    char kind[MAX_LAYERS];      /* [n_layers] K_MAMBA, K_ATTN, K_MLP or K_MOE */
     float eps;                  /* RMSNorm epsilon (all norms) */
     int n_heads, n_kv, head_dim;  /* attention: query heads, key/value heads, head size */
     int mlp;                    /* MLP intermediate size */
@@ -43,7 +46,7 @@ typedef struct {
     int conv_bias;              /* 1 if conv1d has a bias */
     int ctx;                    /* max_position_embeddings */
     int eos[MAX_EOS], n_eos;    /* eos_token_id (int or list) */
-    /* mixture of experts (kind 'E') */
+    /* mixture of experts (K_MOE) */
     int n_experts, top_k;       /* n_routed_experts, num_experts_per_tok */
     int n_group, topk_group;    /* router groups, groups kept before the top-k (1, 1: plain top-k) */
     int moe;                    /* moe_intermediate_size: rows of each routed expert's up_proj */
@@ -78,9 +81,9 @@ typedef struct {
 } Mat;
 
 typedef struct {
-    char kind;                  /* 'M', '*', '-' or 'E' */
+    char kind;                  /* K_MAMBA, K_ATTN, K_MLP or K_MOE */
     float *norm;                /* [hidden] fp32 pre-mixer RMSNorm weight */
-    /* Mamba2 (kind 'M') */
+    /* Mamba2 (K_MAMBA) */
     Mat in_proj[5];             /* in_proj row slices, local: z [d_inner], x [d_inner], B [groups*N],
                                    C [groups*N], dt [m_heads]; projected side by side they give the
                                    rank's [z | x | B | C | dt] exactly as an unsharded model would */
@@ -91,13 +94,13 @@ typedef struct {
     float *dt_bias;             /* [m_heads] fp32 */
     float *gnorm;               /* [d_inner] fp32 gated group-norm weight */
     Mat out;                    /* [hidden, d_inner] out_proj, column slice (row-parallel) */
-    /* attention (kind '*') */
+    /* attention (K_ATTN) */
     Mat wq, wk, wv;             /* [q*head_dim, hidden], [kv*head_dim, hidden] x2 (local heads) */
     Mat wo;                     /* [hidden, q*head_dim] o_proj, column slice (row-parallel) */
-    /* MLP (kind '-') */
+    /* MLP (K_MLP) */
     Mat up;                     /* [mlp, hidden] up_proj rows (column-parallel) */
     Mat down;                   /* [hidden, mlp] down_proj, column slice (row-parallel) */
-    /* mixture of experts (kind 'E'); d = latent size, or hidden without latent projections */
+    /* mixture of experts (K_MOE); d = latent size, or hidden without latent projections */
     float *gate;                /* [n_experts, hidden] fp32 router weight, replicated */
     float *gate_bias;           /* [n_experts] fp32 e_score_correction_bias (chooses, never weighs) */
     Mat *eup, *edown;           /* [n_experts] up [moe/n, d] rows, down [d, moe/n] column slice */
@@ -186,7 +189,7 @@ int cuda_bench_allreduce(int n, int hidden);    /* --bench-allreduce; returns th
  * Small math shared by host and device
  * ---------------------------------------------------------------------------------------------- */
 
-/* 1 if some layer of the model is of kind k ('M', '*', '-' or 'E'). */
+/* 1 if some layer of the model is of kind k (K_MAMBA, ...). */
 static inline int has_kind(const Config *c, char k) { return memchr(c->kind, k, (size_t)c->n_layers) != NULL; }
 
 /* Stored elements to fp32: bf16 is the top half of an fp32; f16 is widened by its fields. */
