@@ -199,12 +199,8 @@ static void cpu_init(Rank *r) {
     const Shard *s = &r->s;
     CpuState *st = xcalloc(1, sizeof *st);
     size_t hidden = (size_t)c->hidden, T = (size_t)r->t_max;
-    int qkv = (s->q + 2 * s->kv) * c->head_dim;
-    st->proj_w = s->in_proj > qkv ? s->in_proj : qkv;
-    if (s->mlp > st->proj_w) st->proj_w = s->mlp;
-    if (s->moe > st->proj_w) st->proj_w = s->moe;
-    if (s->shared > st->proj_w) st->proj_w = s->shared;
-    int yw = s->d_inner > s->q * c->head_dim ? s->d_inner : s->q * c->head_dim;
+    st->proj_w = proj_width(c, s);
+    int yw = y_width(c, s);
     st->res = xcalloc(T * hidden, sizeof(float));
     st->x = xcalloc(T * hidden, sizeof(float));
     st->pend = xcalloc(T * hidden, sizeof(float));

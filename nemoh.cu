@@ -149,7 +149,8 @@ typedef struct {
     float *moe_z, *moe_ylat;    /* [t_max, latent] fc1 output; weighted routed sum before fc2 */
     int moe_lda;                /* row stride of moe_act: max(d, moe) rounded up to 8 */
     int rows;                   /* logits rows the last step wrote */
-    int proj_w, y_w, act_w, splits;
+    int proj_w, y_w, act_w;     /* columns of proj, y (proj_width, y_width) and act16 */
+    int splits;                 /* decode attention splits a head (attn_splits) */
     int gemv_slots;             /* gemv_kernel blocks the GPU holds at once (per SM x SMs) */
     ncclWindow_t win;           /* pend registered as a symmetric window */
     ncclDevComm dev;            /* device communicator with lsa barriers */
@@ -2210,10 +2211,8 @@ static void gpu_init(Rank *r) {
     CUDA_CHECK(cudaSetDevice(r->gpu));
     size_t H = c->hidden, T = r->t_max;
     int hd = c->head_dim;
-    g->proj_w = s->in_proj > (s->q + 2 * s->kv) * hd ? s->in_proj : (s->q + 2 * s->kv) * hd;
-    if (s->mlp > g->proj_w) g->proj_w = s->mlp;
-    if (s->shared > g->proj_w) g->proj_w = s->shared;   /* a prompt's shared-expert intermediate */
-    g->y_w = s->d_inner > s->q * hd ? s->d_inner : s->q * hd;
+    g->proj_w = proj_width(c, s);
+    g->y_w = y_width(c, s);
     g->act_w = pad8((int)H > g->proj_w ? (int)H : g->proj_w);
     g->splits = attn_splits(r->ctx);
     g->gemv_slots = gemv_slots(r->gpu);

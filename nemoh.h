@@ -69,6 +69,19 @@ typedef struct {
     int vocab;                  /* local lm_head rows (vocab / n) */
 } Shard;
 
+/* Columns of the per-token scratch both backends keep: proj, a layer's input projections
+ * ([z|x|B|C|dt], [q|k|v], up, or an expert's up); y, a mixer's output before its out projection. */
+static inline int proj_width(const Config *c, const Shard *s) {
+    int qkv = (s->q + 2 * s->kv) * c->head_dim, w = s->in_proj > qkv ? s->in_proj : qkv;
+    if (s->mlp > w) w = s->mlp;
+    if (s->moe > w) w = s->moe;
+    return s->shared > w ? s->shared : w;
+}
+
+static inline int y_width(const Config *c, const Shard *s) {
+    return s->d_inner > s->q * c->head_dim ? s->d_inner : s->q * c->head_dim;
+}
+
 /* ------------------------------------------------------------------------------------------------
  * Weights: 2-D views into the mmapped checkpoint (never copied on the CPU)
  * ---------------------------------------------------------------------------------------------- */
