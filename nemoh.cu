@@ -100,6 +100,17 @@ typedef struct {
     void *k, *v;                /* [ctx, kv * head_dim] cache in the weights' dtype: bf16 if qkv.bf, else fp32 */
 } GLayer;
 
+/* Memory the fused all-reduce reads from every rank: NCCL symmetric memory registered as a window,
+ * with a device communicator of FUSED_BLOCKS LSA barriers, when NCCL allows it (devapi); else plain
+ * device memory for the ncclAllReduce fallback. Made by symmetric_window_create(). */
+typedef struct {
+    float *buf;                 /* the buffer, zeroed */
+    int nccl_mem;               /* buf came from ncclMemAlloc (else cudaMalloc) */
+    ncclWindow_t win;           /* buf registered as a symmetric window; NULL: not registered */
+    ncclDevComm dev;            /* device communicator with LSA barriers (valid when devapi) */
+    int devapi;                 /* 1: every rank's buf is reachable by load/store through win and dev */
+} SymWindow;
+
 typedef struct {
     int n;                      /* ranks */
     ncclComm_t comm[64];        /* [n] one communicator per rank, made together */
@@ -117,8 +128,7 @@ typedef struct {
     float *norm_f;              /* [hidden] */
     float *res;                 /* [t_max, hidden] residual stream */
     float *x;                   /* [t_max, hidden] normed mixer input */
-    float *pend;                /* [2, t_max, hidden] pending partial sums, two alternating slots, in
-                                   the symmetric window when the device API is up */
+    SymWindow pend;             /* buf: [2, t_max, hidden] pending partial sums, two alternating slots */
     float *red;                 /* [t_max, hidden] output of a plain all-reduce */
     const float *owed;          /* what NORM_ADD adds: a pend slot, or red after an all-reduce */
     int slot;                   /* pend slot the current mixer writes */
@@ -152,10 +162,6 @@ typedef struct {
     int proj_w, y_w, act_w;     /* columns of proj, y (proj_width, y_width) and act16 */
     int splits;                 /* decode attention splits a head (attn_splits) */
     int gemv_slots;             /* gemv_kernel blocks the GPU holds at once (per SM x SMs) */
-    ncclWindow_t win;           /* pend registered as a symmetric window */
-    ncclDevComm dev;            /* device communicator with lsa barriers */
-    int devapi;                 /* 1: the fused kernel uses the device API; 0: ncclAllReduce fallback */
-    int pend_nccl;              /* pend came from ncclMemAlloc (else cudaMalloc) */
     cudaGraphExec_t graph;      /* the captured single-token step */
     int capturing, captured;
     char *snap;                 /* [SNAPSHOT_SLOTS, snap_bytes] saved conv windows + SSM states (--chat) */
@@ -1716,7 +1722,7 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
 static GpuRank *G(Rank *r) { return (GpuRank *)r->st; }
 static GpuShared *SH(Rank *r) { return (GpuShared *)r->sh; }
 
-static float *pend_slot(GpuRank *g, const Rank *r, int slot) { return g->pend + (size_t)slot * r->t_max * r->c->hidden; }
+static float *pend_slot(GpuRank *g, const Rank *r, int slot) { return g->pend.buf + (size_t)slot * r->t_max * r->c->hidden; }
 
 static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
     GpuRank *g = G(r);
@@ -1770,10 +1776,10 @@ static void gpu_norm(Rank *r, int l, int how, int T) {
     GpuRank *g = G(r);
     const Config *c = r->c;
     const float *w = l < c->n_layers ? g->L[l].norm : g->norm_f;
-    if (how == NORM_FUSED && g->devapi) {
+    if (how == NORM_FUSED && g->pend.devapi) {
         size_t off = (size_t)g->slot * r->t_max * c->hidden * sizeof(float);
         LAUNCH(T < FUSED_BLOCKS ? T : FUSED_BLOCKS, NORM_THREADS, 0, g->stream, fused_allreduce_norm_kernel,
-            g->dev, g->win, off, g->x, g->res, w, T, c->hidden, c->eps);
+            g->pend.dev, g->pend.win, off, g->x, g->res, w, T, c->hidden, c->eps);
         g->slot ^= 1;
         return;
     }
@@ -2086,6 +2092,31 @@ static void gpu_teardown(void *p) {
     free(sh);
 }
 
+/* A zeroed buffer of `bytes` for the fused all-reduce on this rank of n (see SymWindow). */
+static SymWindow symmetric_window_create(ncclComm_t comm, size_t bytes, int n) {
+    SymWindow s = {};
+    s.nccl_mem = ncclMemAlloc((void **)&s.buf, bytes) == ncclSuccess;
+    if (!s.nccl_mem) CUDA_CHECK(cudaMalloc(&s.buf, bytes));
+    if (s.nccl_mem && ncclCommWindowRegister(comm, s.buf, bytes, &s.win, NCCL_WIN_COLL_SYMMETRIC) != ncclSuccess) s.win = NULL;
+    if (s.win) {
+        ncclDevCommRequirements req;
+        memset(&req, 0, sizeof req);  /* NCCL 2.28 has no initializer macro */
+        req.lsaBarrierCount = FUSED_BLOCKS;
+        if (ncclDevCommCreate(comm, &req, &s.dev) == ncclSuccess) {
+            s.devapi = s.dev.lsaSize == n;   /* a rank outside load/store reach: the fallback, for every rank */
+            if (!s.devapi) NCCL_CHECK(ncclDevCommDestroy(comm, &s.dev));
+        }
+    }
+    CUDA_CHECK(cudaMemset(s.buf, 0, bytes));
+    return s;
+}
+
+static void symmetric_window_free(ncclComm_t comm, SymWindow *s) {
+    if (s->devapi) NCCL_CHECK(ncclDevCommDestroy(comm, &s->dev));
+    if (s->win) NCCL_CHECK(ncclCommWindowDeregister(comm, s->win));
+    if (s->nccl_mem) NCCL_CHECK(ncclMemFree(s->buf)); else CUDA_CHECK(cudaFree(s->buf));
+}
+
 static int pad8(int n) { return (n + 7) / 8 * 8; }
 
 static uint64_t synth_seed = 0x5eed;
@@ -2288,24 +2319,9 @@ static void gpu_init(Rank *r) {
         moe_alloc(g, &ms, (int)T);
     }
 
-    /* buffers; pend in symmetric memory, registered as a window, when NCCL allows it */
-    size_t pend_bytes = 2 * T * H * sizeof(float);
-    ncclComm_t comm = sh->comm[s->rank];
-    g->pend_nccl = ncclMemAlloc((void **)&g->pend, pend_bytes) == ncclSuccess;
-    if (!g->pend_nccl) CUDA_CHECK(cudaMalloc(&g->pend, pend_bytes));
-    if (g->pend_nccl && ncclCommWindowRegister(comm, g->pend, pend_bytes, &g->win, NCCL_WIN_COLL_SYMMETRIC) != ncclSuccess)
-        g->win = NULL;
-    if (g->win) {
-        ncclDevCommRequirements req;
-        memset(&req, 0, sizeof req);  /* NCCL 2.28 has no initializer macro */
-        req.lsaBarrierCount = FUSED_BLOCKS;
-        if (ncclDevCommCreate(comm, &req, &g->dev) == ncclSuccess) {
-            g->devapi = g->dev.lsaSize == s->n;
-            if (!g->devapi) NCCL_CHECK(ncclDevCommDestroy(comm, &g->dev));
-        }
-    }
-    CUDA_CHECK(cudaMemset(g->pend, 0, pend_bytes));
-    if (!g->devapi && r->fuse && s->rank == 0)
+    /* buffers */
+    g->pend = symmetric_window_create(sh->comm[s->rank], 2 * T * H * sizeof(float), s->n);
+    if (!g->pend.devapi && r->fuse && s->rank == 0)
         fprintf(stderr, "nemoh: NCCL device API unavailable (no symmetric window or no load/store access between all "
                         "GPUs): the fused all-reduce falls back to ncclAllReduce + add + RMSNorm\n");
     g->res = zeros(T * H);
@@ -2334,12 +2350,7 @@ static void gpu_free(Rank *r) {
     CUDA_CHECK(cudaSetDevice(r->gpu));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
     if (g->captured) CUDA_CHECK(cudaGraphExecDestroy(g->graph));
-    ncclComm_t comm = SH(r)->comm[r->s.rank];
-    if (g->devapi) {
-        NCCL_CHECK(ncclDevCommDestroy(comm, &g->dev));
-    }
-    if (g->win) NCCL_CHECK(ncclCommWindowDeregister(comm, g->win));
-    if (g->pend_nccl) NCCL_CHECK(ncclMemFree(g->pend)); else CUDA_CHECK(cudaFree(g->pend));
+    symmetric_window_free(SH(r)->comm[r->s.rank], &g->pend);
     for (int l = 0; l < c->n_layers; l++) {
         GLayer *D = &g->L[l];
         void *ptrs[] = {D->norm, D->in_proj.w, D->conv_w, D->conv_b, D->A, D->D, D->dt_bias, D->gnorm, D->out.w, D->qkv.w,
@@ -2433,8 +2444,8 @@ extern "C" size_t cuda_used_bytes(Rank *r) {
 
 extern "C" const char *cuda_fuse_path(Rank *r) {
     if (!r->fuse) return "all-reduce at layer end (--no-fuse)";
-    if (r->s.n == 1 && G(r)->devapi) return "fused, NCCL device API (1 rank)";
-    return G(r)->devapi ? "fused, NCCL device API" : "fused, ncclAllReduce fallback";
+    if (r->s.n == 1 && G(r)->pend.devapi) return "fused, NCCL device API (1 rank)";
+    return G(r)->pend.devapi ? "fused, NCCL device API" : "fused, ncclAllReduce fallback";
 }
 
 /* One rank of --bench-allreduce: for T = 1, 2, 4 .. 2048 rows of `hidden`, the fused kernel and
@@ -2480,18 +2491,9 @@ static void ar_rank(ArBench *b) {
     cudaStream_t st;
     CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     size_t slot = (size_t)Tmax * H, bytes = 2 * slot * sizeof(float);
-    float *pend, *res, *x, *red, *w;
-    ncclWindow_t win = NULL;
-    ncclDevComm dev;
-    int devapi = 0, pend_nccl = ncclMemAlloc((void **)&pend, bytes) == ncclSuccess;
-    if (!pend_nccl) CUDA_CHECK(cudaMalloc(&pend, bytes));
-    if (pend_nccl && ncclCommWindowRegister(b->comm, pend, bytes, &win, NCCL_WIN_COLL_SYMMETRIC) == ncclSuccess) {
-        ncclDevCommRequirements req;
-        memset(&req, 0, sizeof req);
-        req.lsaBarrierCount = FUSED_BLOCKS;
-        devapi = ncclDevCommCreate(b->comm, &req, &dev) == ncclSuccess && dev.lsaSize == n;
-    }
-    if (!devapi && b->rank == 0) fprintf(stderr, "nemoh: NCCL device API unavailable: timing the fallback twice\n");
+    SymWindow sw = symmetric_window_create(b->comm, bytes, n);
+    float *pend = sw.buf, *res, *x, *red, *w;
+    if (!sw.devapi && b->rank == 0) fprintf(stderr, "nemoh: NCCL device API unavailable: timing the fallback twice\n");
     CUDA_CHECK(cudaMalloc(&res, slot * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&x, slot * sizeof(float)));
     CUDA_CHECK(cudaMalloc(&red, slot * sizeof(float)));
@@ -2520,9 +2522,9 @@ static void ar_rank(ArBench *b) {
             CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
             for (int it = 0; it < AR_ITERS; it++) {
                 int s = it & 1;  /* alternate the two slots, as the layer loop does */
-                if (path == 0 && devapi) {
+                if (path == 0 && sw.devapi) {
                     LAUNCH(T < FUSED_BLOCKS ? T : FUSED_BLOCKS, NORM_THREADS, 0, st, fused_allreduce_norm_kernel,
-                        dev, win, s * slot * sizeof(float), x, res, w, T, H, 1e-5f);
+                        sw.dev, sw.win, s * slot * sizeof(float), x, res, w, T, H, 1e-5f);
                 } else {
                     NCCL_CHECK(ncclAllReduce(pend + s * slot, red, cnt, ncclFloat, ncclSum, b->comm, st));
                     LAUNCH(T, NORM_THREADS, 0, st, rmsnorm_kernel, x, res, red, w, H, 1e-5f);
@@ -2555,9 +2557,7 @@ static void ar_rank(ArBench *b) {
             CUDA_CHECK(cudaGraphDestroy(graph));
         }
     }
-    if (devapi) NCCL_CHECK(ncclDevCommDestroy(b->comm, &dev));
-    if (win) NCCL_CHECK(ncclCommWindowDeregister(b->comm, win));
-    if (pend_nccl) NCCL_CHECK(ncclMemFree(pend)); else CUDA_CHECK(cudaFree(pend));
+    symmetric_window_free(b->comm, &sw);
     CUDA_CHECK(cudaFree(res));
     CUDA_CHECK(cudaFree(x));
     CUDA_CHECK(cudaFree(red));
