@@ -128,10 +128,16 @@ typedef struct {
     float *norm_f;              /* [hidden] */
     float *res;                 /* [t_max, hidden] residual stream */
     float *x;                   /* [t_max, hidden] normed mixer input */
-    SymWindow pend;             /* buf: [2, t_max, hidden] pending partial sums, two alternating slots */
-    float *red;                 /* [t_max, hidden] output of a plain all-reduce */
-    const float *owed;          /* what NORM_ADD adds: a pend slot, or red after an all-reduce */
-    int slot;                   /* pend slot the current mixer writes */
+    /* The pending protocol: a mixer's partial sums on their way into the residual (all named pend_*).
+     *   mixer           writes pend's slot pend_slot;  pend_owed = that slot
+     *   NORM_FUSED      res += every rank's slot (fused kernel), or pend_allreduce, NORM_ADD;  pend_slot ^= 1
+     *   allreduce       pend_allreduce when n > 1;  pend_slot ^= 1
+     *   NORM_ADD        res += pend_owed
+     *   pend_allreduce  pend_sum = sum over ranks of pend_owed;  pend_owed = pend_sum */
+    SymWindow pend;             /* buf: [2, t_max, hidden] partial sums, two alternating slots */
+    int pend_slot;              /* the slot the current mixer writes; 0 at each step's start */
+    const float *pend_owed;     /* what NORM_ADD adds: a slot of pend, or pend_sum */
+    float *pend_sum;            /* [t_max, hidden] ncclAllReduce's output */
     float *proj;                /* [t_max, proj_w] projections */
     float *xbc;                 /* [t_max, conv] conv1d + SiLU output */
     float *y;                   /* [t_max, y_w] mixer output before its out projection */
@@ -1722,8 +1728,6 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
 static GpuRank *G(Rank *r) { return (GpuRank *)r->st; }
 static GpuShared *SH(Rank *r) { return (GpuShared *)r->sh; }
 
-static float *pend_slot(GpuRank *g, const Rank *r, int slot) { return g->pend.buf + (size_t)slot * r->t_max * r->c->hidden; }
-
 static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
     GpuRank *g = G(r);
     CUDA_CHECK(cudaSetDevice(r->gpu));
@@ -1732,7 +1736,7 @@ static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
     g->host_io[T] = pos;
     CUDA_CHECK(cudaMemcpyAsync(g->tok, g->host_io, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, g->stream));
     CUDA_CHECK(cudaMemcpyAsync(g->pos, g->host_io + T, sizeof(int), cudaMemcpyHostToDevice, g->stream));
-    g->slot = 0;
+    g->pend_slot = 0;
     if (T == 1 && r->graph && !g->captured) {
         CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
         g->capturing = 1;
@@ -1772,32 +1776,35 @@ static void gpu_embed(Rank *r, const int *tok, int T) {
     LAUNCH(dim3(cdiv(r->c->hidden, 256), T), 256, 0, g->stream, embed_kernel, g->res, g->embed, g->embed_bf, g->tok, r->c->hidden);
 }
 
+/* pend_sum = sum over ranks of pend_owed; the next NORM_ADD adds it. */
+static void pend_allreduce(Rank *r, int T) {
+    GpuRank *g = G(r);
+    NCCL_CHECK(ncclAllReduce(g->pend_owed, g->pend_sum, (size_t)T * r->c->hidden, ncclFloat, ncclSum, SH(r)->comm[r->s.rank],
+                             g->stream));
+    g->pend_owed = g->pend_sum;
+}
+
 static void gpu_norm(Rank *r, int l, int how, int T) {
     GpuRank *g = G(r);
     const Config *c = r->c;
     const float *w = l < c->n_layers ? g->L[l].norm : g->norm_f;
     if (how == NORM_FUSED && g->pend.devapi) {
-        size_t off = (size_t)g->slot * r->t_max * c->hidden * sizeof(float);
+        size_t off = (size_t)g->pend_slot * r->t_max * c->hidden * sizeof(float);
         LAUNCH(T < FUSED_BLOCKS ? T : FUSED_BLOCKS, NORM_THREADS, 0, g->stream, fused_allreduce_norm_kernel,
             g->pend.dev, g->pend.win, off, g->x, g->res, w, T, c->hidden, c->eps);
-        g->slot ^= 1;
+        g->pend_slot ^= 1;
         return;
     }
     if (how == NORM_FUSED) {  /* fallback: a plain all-reduce, then the add and the norm */
-        NCCL_CHECK(ncclAllReduce(g->owed, g->red, (size_t)T * c->hidden, ncclFloat, ncclSum, SH(r)->comm[r->s.rank], g->stream));
-        g->owed = g->red;
-        g->slot ^= 1;
+        pend_allreduce(r, T);
+        g->pend_slot ^= 1;
     }
-    LAUNCH(T, NORM_THREADS, 0, g->stream, rmsnorm_kernel, g->x, g->res, how == NORM_PLAIN ? NULL : g->owed, w, c->hidden, c->eps);
+    LAUNCH(T, NORM_THREADS, 0, g->stream, rmsnorm_kernel, g->x, g->res, how == NORM_PLAIN ? NULL : g->pend_owed, w, c->hidden, c->eps);
 }
 
 static void gpu_allreduce(Rank *r, int T) {
-    GpuRank *g = G(r);
-    if (r->s.n > 1) {
-        NCCL_CHECK(ncclAllReduce(g->owed, g->red, (size_t)T * r->c->hidden, ncclFloat, ncclSum, SH(r)->comm[r->s.rank], g->stream));
-        g->owed = g->red;
-    }
-    g->slot ^= 1;
+    if (r->s.n > 1) pend_allreduce(r, T);
+    G(r)->pend_slot ^= 1;
 }
 
 /* Layer l's first product (lm_head after the last layer): what the product before it warms L2 for. */
@@ -1806,11 +1813,11 @@ static const GMat *first_product(GpuRank *g, const Config *c, int l) {
     return c->kind[l] == K_MAMBA ? &g->L[l].in_proj : c->kind[l] == K_ATTN ? &g->L[l].qkv : c->kind[l] == K_MOE ? &g->L[l].sup : &g->L[l].up;
 }
 
-/* Where the current mixer writes its partial sums. */
-static float *mixer_out(Rank *r) {
+/* Where the current mixer writes its partial sums: slot pend_slot, which the next norm adds. */
+static float *pend_out(Rank *r) {
     GpuRank *g = G(r);
-    float *p = pend_slot(g, r, g->slot);
-    g->owed = p;
+    float *p = g->pend.buf + (size_t)g->pend_slot * r->t_max * r->c->hidden;
+    g->pend_owed = p;
     return p;
 }
 
@@ -1837,7 +1844,7 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     if (!fold) {
         LAUNCH(T * s->groups, gated_norm_threads(gsize), 0, g->stream, gated_norm_kernel, g->y, g->proj, in, L->gnorm, di, gsize, c->eps);
     }
-    matmul(g, mixer_out(r), H, g->y, di, T, &L->out, fold ? EPI_GNORM : EPI_NONE, first_product(g, c, l + 1), &gs);
+    matmul(g, pend_out(r), H, g->y, di, T, &L->out, fold ? EPI_GNORM : EPI_NONE, first_product(g, c, l + 1), &gs);
 }
 
 /* The attention after the qkv product, on the cache of dtype KT: append, then one query (decode) or a
@@ -1866,7 +1873,7 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
     matmul(g, g->proj, w, g->x, H, T, &L->qkv, EPI_NONE, &L->o, NULL);
     if (L->qkv.bf) attend(r, L, (bf16 *)L->k, (bf16 *)L->v, T, pos);
     else attend(r, L, (float *)L->k, (float *)L->v, T, pos);
-    matmul(g, mixer_out(r), H, g->y, qw, T, &L->o, EPI_NONE, first_product(g, c, l + 1), NULL);
+    matmul(g, pend_out(r), H, g->y, qw, T, &L->o, EPI_NONE, first_product(g, c, l + 1), NULL);
 }
 
 static void gpu_mlp(Rank *r, int l, int T) {
@@ -1874,7 +1881,7 @@ static void gpu_mlp(Rank *r, int l, int T) {
     GLayer *L = &g->L[l];
     int H = r->c->hidden, m = r->s.mlp;
     matmul(g, g->proj, m, g->x, H, T, &L->up, EPI_RELU2, &L->down, NULL);
-    matmul(g, mixer_out(r), H, g->proj, m, T, &L->down, EPI_NONE, first_product(g, r->c, l + 1), NULL);
+    matmul(g, pend_out(r), H, g->proj, m, T, &L->down, EPI_NONE, first_product(g, r->c, l + 1), NULL);
 }
 
 /* ---- the mixture-of-experts layer ---- */
@@ -2326,7 +2333,7 @@ static void gpu_init(Rank *r) {
                         "GPUs): the fused all-reduce falls back to ncclAllReduce + add + RMSNorm\n");
     g->res = zeros(T * H);
     g->x = zeros(T * H);
-    g->red = zeros(T * H);
+    g->pend_sum = zeros(T * H);
     g->proj = zeros(T * g->proj_w);
     g->xbc = zeros(T * (s->conv ? s->conv : 1));
     g->y = zeros(T * g->y_w);
@@ -2358,7 +2365,7 @@ static void gpu_free(Rank *r) {
                         D->edown.w, D->sup.w, D->sdown.w, D->lat_in.w, D->lat_out.w};
         for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     }
-    void *ptrs[] = {g->embed, g->lm_head.w, g->norm_f, g->res, g->x, g->red, g->proj, g->xbc, g->y, g->act16, g->part, g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
+    void *ptrs[] = {g->embed, g->lm_head.w, g->norm_f, g->res, g->x, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part, g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     moe_free(g);
