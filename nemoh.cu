@@ -1725,11 +1725,11 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
  * The backend operations (see Backend in nemoh.h)
  * ---------------------------------------------------------------------------------------------- */
 
-static GpuRank *G(Rank *r) { return (GpuRank *)r->st; }
-static GpuShared *SH(Rank *r) { return (GpuShared *)r->sh; }
+static GpuRank *gpu_rank(Rank *r) { return (GpuRank *)r->st; }
+static GpuShared *gpu_shared(Rank *r) { return (GpuShared *)r->sh; }
 
 static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     CUDA_CHECK(cudaSetDevice(r->gpu));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));  /* host_io may still feed the previous step's copy */
     memcpy(g->host_io, tok, (size_t)T * sizeof(int));
@@ -1745,7 +1745,7 @@ static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
 
 static void gpu_end(Rank *r, int T) {
     (void)T;
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     if (!g->capturing) return;
     cudaGraph_t graph;
     CUDA_CHECK(cudaStreamEndCapture(g->stream, &graph));
@@ -1757,7 +1757,7 @@ static void gpu_end(Rank *r, int T) {
 }
 
 static int gpu_replay(Rank *r, const int *tok, int T, int pos) {
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     if (T != 1 || !g->captured) return 0;
     CUDA_CHECK(cudaSetDevice(r->gpu));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
@@ -1772,20 +1772,20 @@ static int gpu_replay(Rank *r, const int *tok, int T, int pos) {
 
 static void gpu_embed(Rank *r, const int *tok, int T) {
     (void)tok;  /* already on the device (gpu_begin), so a captured step reads the current token */
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     LAUNCH(dim3(cdiv(r->c->hidden, 256), T), 256, 0, g->stream, embed_kernel, g->res, g->embed, g->embed_bf, g->tok, r->c->hidden);
 }
 
 /* pend_sum = sum over ranks of pend_owed; the next NORM_ADD adds it. */
 static void pend_allreduce(Rank *r, int T) {
-    GpuRank *g = G(r);
-    NCCL_CHECK(ncclAllReduce(g->pend_owed, g->pend_sum, (size_t)T * r->c->hidden, ncclFloat, ncclSum, SH(r)->comm[r->s.rank],
+    GpuRank *g = gpu_rank(r);
+    NCCL_CHECK(ncclAllReduce(g->pend_owed, g->pend_sum, (size_t)T * r->c->hidden, ncclFloat, ncclSum, gpu_shared(r)->comm[r->s.rank],
                              g->stream));
     g->pend_owed = g->pend_sum;
 }
 
 static void gpu_norm(Rank *r, int l, int how, int T) {
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     const Config *c = r->c;
     const float *w = l < c->n_layers ? g->L[l].norm : g->norm_f;
     if (how == NORM_FUSED && g->pend.devapi) {
@@ -1804,7 +1804,7 @@ static void gpu_norm(Rank *r, int l, int how, int T) {
 
 static void gpu_allreduce(Rank *r, int T) {
     if (r->s.n > 1) pend_allreduce(r, T);
-    G(r)->pend_slot ^= 1;
+    gpu_rank(r)->pend_slot ^= 1;
 }
 
 /* Layer l's first product (lm_head after the last layer): what the product before it warms L2 for. */
@@ -1815,7 +1815,7 @@ static const GMat *first_product(GpuRank *g, const Config *c, int l) {
 
 /* Where the current mixer writes its partial sums: slot pend_slot, which the next norm adds. */
 static float *pend_out(Rank *r) {
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     float *p = g->pend.buf + (size_t)g->pend_slot * r->t_max * r->c->hidden;
     g->pend_owed = p;
     return p;
@@ -1823,7 +1823,7 @@ static float *pend_out(Rank *r) {
 
 static void gpu_mamba(Rank *r, int l, int T, int pos) {
     (void)pos;
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     GLayer *L = &g->L[l];
     const Config *c = r->c;
     const Shard *s = &r->s;
@@ -1850,7 +1850,7 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
 /* The attention after the qkv product, on the cache of dtype KT: append, then one query (decode) or a
  * prompt chunk (local query heads k * gl .. (k + 1) * gl - 1 read local kv head k). */
 template <typename KT> static void attend(Rank *r, GLayer *L, KT *kc, KT *vc, int T, int pos) {
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     const Config *c = r->c;
     const Shard *s = &r->s;
     int hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, w = qw + 2 * kw, group = c->n_heads / c->n_kv;
@@ -1866,7 +1866,7 @@ template <typename KT> static void attend(Rank *r, GLayer *L, KT *kc, KT *vc, in
 }
 
 static void gpu_attention(Rank *r, int l, int T, int pos) {
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     GLayer *L = &g->L[l];
     const Config *c = r->c;
     int H = c->hidden, qw = r->s.q * c->head_dim, w = qw + 2 * r->s.kv * c->head_dim;
@@ -1877,7 +1877,7 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
 }
 
 static void gpu_mlp(Rank *r, int l, int T) {
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     GLayer *L = &g->L[l];
     int H = r->c->hidden, m = r->s.mlp;
     matmul(g, g->proj, m, g->x, H, T, &L->up, EPI_RELU2, &L->down, NULL);
@@ -2002,16 +2002,16 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
 }
 
 static void gpu_moe(Rank *r, int l, int T) {
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     const Config *c = r->c;
     MoeShape ms = moe_shape(r);
     MoeRoute rt = {c->n_experts, c->top_k, c->n_group, c->topk_group, c->norm_topk, c->routed_scale};
     moe_route(g, &g->L[l], &ms, rt, T);
-    moe_experts(g, &g->L[l], &ms, mixer_out(r), T, first_product(g, c, l + 1));
+    moe_experts(g, &g->L[l], &ms, pend_out(r), T, first_product(g, c, l + 1));
 }
 
 static void gpu_logits(Rank *r, int T, int all) {
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     const Config *c = r->c;
     int H = c->hidden, Vl = r->s.vocab, rows = all ? T : 1;
     const float *x = g->x + (size_t)(all ? 0 : T - 1) * H;
@@ -2020,14 +2020,14 @@ static void gpu_logits(Rank *r, int T, int all) {
         NCCL_CHECK(ncclGroupStart());
         for (int t = 0; t < rows; t++)
             NCCL_CHECK(ncclAllGather(g->logits_local + (size_t)t * Vl, g->logits + (size_t)t * c->vocab, Vl, ncclFloat,
-                                     SH(r)->comm[r->s.rank], g->stream));
+                                     gpu_shared(r)->comm[r->s.rank], g->stream));
         NCCL_CHECK(ncclGroupEnd());
     }
     g->rows = rows;
 }
 
 static int gpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t step) {
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     int V = r->c->vocab;
     LAUNCH(1, 1024, SAMPLE_CAND * sizeof(float), g->stream, sample_kernel, g->sampled, g->logits + (size_t)(g->rows - 1) * V, g->probs, V, temp, topp, seed, step);
     CUDA_CHECK(cudaMemcpyAsync(g->host_io, g->sampled, sizeof(int), cudaMemcpyDeviceToHost, g->stream));
@@ -2036,7 +2036,7 @@ static int gpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t s
 }
 
 static const float *gpu_host_logits(Rank *r, int rows) {
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     CUDA_CHECK(cudaSetDevice(r->gpu));
     CUDA_CHECK(cudaMemcpyAsync(g->host_logits, g->logits, (size_t)rows * r->c->vocab * sizeof(float), cudaMemcpyDeviceToHost,
                                g->stream));
@@ -2207,7 +2207,7 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g) {
         b += TK * (3 + la + s->moe + d) * f + T * ((size_t)c->n_experts + 2 * c->latent) * f;
     }
     b += T * H * f * 5 + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
-    b += (size_t)SH((Rank *)r)->logit_rows * (c->vocab + s->vocab) * f + (64u << 20);  /* + cuBLAS workspace */
+    b += (size_t)gpu_shared((Rank *)r)->logit_rows * (c->vocab + s->vocab) * f + (64u << 20);  /* + cuBLAS workspace */
     return b;
 }
 
@@ -2242,7 +2242,7 @@ static void gpu_init(Rank *r) {
     const Config *c = r->c;
     const Shard *s = &r->s;
     const Weights *w = &r->w;
-    GpuShared *sh = SH(r);
+    GpuShared *sh = gpu_shared(r);
     GpuRank *g = (GpuRank *)calloc(1, sizeof(GpuRank));
     if (!g) { fprintf(stderr, "nemoh: out of memory\n"); exit(1); }
     r->st = g;
@@ -2279,42 +2279,42 @@ static void gpu_init(Rank *r) {
     g->norm_f = upload_f32(w->norm_f, H);
     for (int l = 0; l < c->n_layers; l++) {
         const Layer *L = &w->layer[l];
-        GLayer *D = &g->L[l];
-        D->norm = upload_f32(L->norm, H);
+        GLayer *gl = &g->L[l];
+        gl->norm = upload_f32(L->norm, H);
         if (L->kind == K_MAMBA) {
-            D->in_proj = upload_mat(L->in_proj, 5);
-            D->conv_w = upload_f32(L->conv_w, (size_t)s->conv * 4);
-            D->conv_b = upload_f32(L->conv_b, (size_t)s->conv);
-            D->A = upload_f32(L->A, (size_t)s->m_heads);
-            D->D = upload_f32(L->D, (size_t)s->m_heads);
-            D->dt_bias = upload_f32(L->dt_bias, (size_t)s->m_heads);
-            D->gnorm = upload_f32(L->gnorm, (size_t)s->d_inner);
-            D->out = upload_mat(&L->out, 1);
-            D->conv_st = zeros((size_t)s->conv * 3);
-            D->ssm = zeros((size_t)s->d_inner * c->d_state);
+            gl->in_proj = upload_mat(L->in_proj, 5);
+            gl->conv_w = upload_f32(L->conv_w, (size_t)s->conv * 4);
+            gl->conv_b = upload_f32(L->conv_b, (size_t)s->conv);
+            gl->A = upload_f32(L->A, (size_t)s->m_heads);
+            gl->D = upload_f32(L->D, (size_t)s->m_heads);
+            gl->dt_bias = upload_f32(L->dt_bias, (size_t)s->m_heads);
+            gl->gnorm = upload_f32(L->gnorm, (size_t)s->d_inner);
+            gl->out = upload_mat(&L->out, 1);
+            gl->conv_st = zeros((size_t)s->conv * 3);
+            gl->ssm = zeros((size_t)s->d_inner * c->d_state);
         } else if (L->kind == K_ATTN) {
             Mat qkv[3] = {L->wq, L->wk, L->wv};
-            D->qkv = upload_mat(qkv, 3);
-            D->o = upload_mat(&L->wo, 1);
-            size_t n = (size_t)r->ctx * s->kv * hd, room = D->qkv.bf ? (n + 1) / 2 : n;   /* in floats: bf16 takes half */
-            D->k = zeros(room);
-            D->v = zeros(room);
+            gl->qkv = upload_mat(qkv, 3);
+            gl->o = upload_mat(&L->wo, 1);
+            size_t n = (size_t)r->ctx * s->kv * hd, room = gl->qkv.bf ? (n + 1) / 2 : n;   /* in floats: bf16 takes half */
+            gl->k = zeros(room);
+            gl->v = zeros(room);
         } else if (L->kind == '-') {
-            D->up = upload_mat(&L->up, 1);
-            D->down = upload_mat(&L->down, 1);
+            gl->up = upload_mat(&L->up, 1);
+            gl->down = upload_mat(&L->down, 1);
         } else {
-            D->gate = upload_f32(L->gate, (size_t)c->n_experts * H);
-            D->gate_bias = upload_f32(L->gate_bias, (size_t)c->n_experts);
-            D->eup = upload_mat(L->eup, c->n_experts);
-            D->edown = upload_mat(L->edown, c->n_experts);
-            D->sup = upload_mat(&L->sup, 1);
-            D->sdown = upload_mat(&L->sdown, 1);
+            gl->gate = upload_f32(L->gate, (size_t)c->n_experts * H);
+            gl->gate_bias = upload_f32(L->gate_bias, (size_t)c->n_experts);
+            gl->eup = upload_mat(L->eup, c->n_experts);
+            gl->edown = upload_mat(L->edown, c->n_experts);
+            gl->sup = upload_mat(&L->sup, 1);
+            gl->sdown = upload_mat(&L->sdown, 1);
             if (c->latent) {
-                D->lat_in = upload_mat(&L->lat_in, 1);
-                D->lat_out = upload_mat(&L->lat_out, 1);
+                gl->lat_in = upload_mat(&L->lat_in, 1);
+                gl->lat_out = upload_mat(&L->lat_out, 1);
             }
-            int bf = D->eup.bf;   /* the expert kernels take one dtype for all the matrices they read */
-            if (D->edown.bf != bf || D->sup.bf != bf || D->sdown.bf != bf || (c->latent && D->lat_out.bf != bf)) {
+            int bf = gl->eup.bf;   /* the expert kernels take one dtype for all the matrices they read */
+            if (gl->edown.bf != bf || gl->sup.bf != bf || gl->sdown.bf != bf || (c->latent && gl->lat_out.bf != bf)) {
                 fprintf(stderr, "nemoh: layer %d: the CUDA backend needs the experts' matrices (and fc2_latent_proj) in one "
                                 "dtype; use --cpu\n", l);
                 exit(1);
@@ -2352,20 +2352,21 @@ static void gpu_init(Rank *r) {
 }
 
 static void gpu_free(Rank *r) {
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     const Config *c = r->c;
     CUDA_CHECK(cudaSetDevice(r->gpu));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
     if (g->captured) CUDA_CHECK(cudaGraphExecDestroy(g->graph));
-    symmetric_window_free(SH(r)->comm[r->s.rank], &g->pend);
+    symmetric_window_free(gpu_shared(r)->comm[r->s.rank], &g->pend);
     for (int l = 0; l < c->n_layers; l++) {
-        GLayer *D = &g->L[l];
-        void *ptrs[] = {D->norm, D->in_proj.w, D->conv_w, D->conv_b, D->A, D->D, D->dt_bias, D->gnorm, D->out.w, D->qkv.w,
-                        D->o.w, D->up.w, D->down.w, D->conv_st, D->ssm, D->k, D->v, D->gate, D->gate_bias, D->eup.w,
-                        D->edown.w, D->sup.w, D->sdown.w, D->lat_in.w, D->lat_out.w};
+        GLayer *gl = &g->L[l];
+        void *ptrs[] = {gl->norm, gl->in_proj.w, gl->conv_w, gl->conv_b, gl->A, gl->D, gl->dt_bias, gl->gnorm, gl->out.w, gl->qkv.w,
+                        gl->o.w, gl->up.w, gl->down.w, gl->conv_st, gl->ssm, gl->k, gl->v, gl->gate, gl->gate_bias, gl->eup.w,
+                        gl->edown.w, gl->sup.w, gl->sdown.w, gl->lat_in.w, gl->lat_out.w};
         for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     }
-    void *ptrs[] = {g->embed, g->lm_head.w, g->norm_f, g->res, g->x, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part, g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
+    void *ptrs[] = {g->embed, g->lm_head.w, g->norm_f, g->res, g->x, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part,
+                    g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     moe_free(g);
@@ -2451,8 +2452,8 @@ extern "C" size_t cuda_used_bytes(Rank *r) {
 
 extern "C" const char *cuda_fuse_path(Rank *r) {
     if (!r->fuse) return "all-reduce at layer end (--no-fuse)";
-    if (r->s.n == 1 && G(r)->pend.devapi) return "fused, NCCL device API (1 rank)";
-    return G(r)->pend.devapi ? "fused, NCCL device API" : "fused, ncclAllReduce fallback";
+    if (r->s.n == 1 && gpu_rank(r)->pend.devapi) return "fused, NCCL device API (1 rank)";
+    return gpu_rank(r)->pend.devapi ? "fused, NCCL device API" : "fused, ncclAllReduce fallback";
 }
 
 /* One rank of --bench-allreduce: for T = 1, 2, 4 .. 2048 rows of `hidden`, the fused kernel and
