@@ -328,6 +328,83 @@ __global__ void fill_kernel(void *p, int bf, size_t n, float a, uint64_t seed) {
 }
 
 /* ------------------------------------------------------------------------------------------------
+ * Speed devices and decode-only fusions: what some kernels below add to their math to go faster.
+ * None changes what a kernel computes; each says what it saves.
+ * ---------------------------------------------------------------------------------------------- */
+
+/* cp.async staging: a kernel copies its next inputs from global into shared memory while it computes
+ * on the current ones (the scan: the next chunk of steps), so the loads overlap the math. */
+__device__ __forceinline__ void cp_async4(float *dst, const float *src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int n> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory"); }
+
+/* Decode-only: the L2 warm. A product cannot start before the kernel ahead of it has finished, but
+ * its first WARM_BYTES can be on their way to L2 while the kernels ahead of it run: the draining last
+ * wave of the product before it, and a Mamba layer's conv and scan or an attention layer's cache
+ * append, attention and combine (chains of small kernels that leave HBM mostly idle). That last wave,
+ * the scan and the decode attention kernel ask for them (prefetch: no register, no wait), spread over
+ * their threads. It saves part of each product's first memory round trips. Tuned on H200: 8 MB
+ * measured best of 4, 8, 16, 24 and 32. */
+enum { WARM_BYTES = 8 << 20 };
+
+/* Block `block` of `blocks` asks L2 for its share of the n bytes at p. */
+__device__ __forceinline__ void l2_warm(const void *p, size_t n, size_t block, size_t blocks) {
+    size_t t = block * blockDim.x + threadIdx.x, step = blocks * blockDim.x * 128;
+    for (size_t off = t * 128; off < n; off += step) asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)p + off));
+}
+
+/* The bytes of W that l2_warm asks for (none without W). */
+static size_t warm_bytes(const GMat *W) {
+    size_t b = W ? gmat_bytes(W) : 0;
+    return b < WARM_BYTES ? b : WARM_BYTES;
+}
+
+/* Decode-only: the gated norm folded into the scan and out_proj. A Mamba layer's gated group norm,
+ *   u = y * silu(z);  y' = u * rsqrt(mean over u's group of u^2 + eps) * w,
+ * then out = W_out y', is at decode no kernel of its own (gated_norm_kernel): the scan writes u * w
+ * and each block's sum of u^2 (scan_gate), and out_proj scales group g's columns by the group's
+ * rsqrt (EPI_GNORM, group_scales): W (s_g u w) = s_g W (u w). It saves a kernel and a round trip of
+ * y through memory a Mamba layer. gnorm_folds() says when it applies.
+ *
+ * What a one-token product does besides the dot products: nothing; relu^2 on each output; or that
+ * group scale, mean(u^2) = (sum of ss[g * parts .. (g + 1) * parts)) / gsize from the scan's sums. */
+enum { EPI_NONE, EPI_RELU2, EPI_GNORM, GNORM_PARTS = 512 /* most partial sums EPI_GNORM takes */ };
+typedef struct {
+    const float *ss;            /* [groups, parts] partial sums of u^2 */
+    int parts, gsize;           /* partial sums and channels per group */
+    float eps;
+} GroupScale;
+
+/* The scan's side of the fold, for one output: u = y * gate (gate = silu(z)); uu += u^2; y' = u * w. */
+__device__ __forceinline__ float scan_gate(float y, float gate, float w, float &uu) {
+    float u = y * gate;
+    uu += u * u;
+    return u * w;
+}
+
+/* out_proj's side: all of gs's partial sums in one round trip (a block of THREADS threads), then
+ * group g's scale rsqrt(mean(u^2) + eps) into gsum[g * parts] (gsum: GNORM_PARTS floats, shared). */
+template <int THREADS>
+__device__ __forceinline__ void group_scales(float *gsum, const GroupScale &gs, int cols) {
+    constexpr int PER = GNORM_PARTS / THREADS;
+    int n = cols / gs.gsize * gs.parts;
+    float v[PER];
+#pragma unroll
+    for (int k = 0; k < PER; k++) v[k] = threadIdx.x + k * THREADS < n ? gs.ss[threadIdx.x + k * THREADS] : 0.0f;
+#pragma unroll
+    for (int k = 0; k < PER; k++) gsum[threadIdx.x + k * THREADS] = v[k];
+    __syncthreads();
+    for (int g = threadIdx.x; g < cols / gs.gsize; g += blockDim.x) {
+        float t = 0;
+        for (int j = 0; j < gs.parts; j++) t += gsum[g * gs.parts + j];
+        gsum[g * gs.parts] = rsqrtf(t / gs.gsize + gs.eps);
+    }
+    __syncthreads();
+}
+
+/* ------------------------------------------------------------------------------------------------
  * Kernels: the matrix-vector product for one token, at the memory-bandwidth limit
  * ---------------------------------------------------------------------------------------------- */
 
@@ -351,38 +428,6 @@ __device__ __forceinline__ float dot16(uint4 w, const float *x, int bf) {
     const float4 a = *(const float4 *)x;
     return __uint_as_float(w.x) * a.x + __uint_as_float(w.y) * a.y + __uint_as_float(w.z) * a.z + __uint_as_float(w.w) * a.w;
 }
-
-/* A product cannot start before the kernel ahead of it has finished, but its first WARM_BYTES can be
- * on their way to L2 while the kernels ahead of it run: the draining last wave of the product before
- * it, and a Mamba layer's conv and scan or an attention layer's cache append, attention and combine
- * (chains of small kernels that leave HBM mostly idle). That last wave, the scan and the decode
- * attention kernel ask for them (prefetch: no register, no wait), spread over their threads. 8 MB
- * measured best of 8, 16, 24 and 32 from the scan (bench/RESULTS.md, S5 run 2), and of 4, 8 and 16
- * with the last waves too (S6 run 6). */
-enum { WARM_BYTES = 8 << 20 };
-
-/* Block `block` of `blocks` asks L2 for its share of the n bytes at p. */
-__device__ __forceinline__ void l2_warm(const void *p, size_t n, size_t block, size_t blocks) {
-    size_t t = block * blockDim.x + threadIdx.x, step = blocks * blockDim.x * 128;
-    for (size_t off = t * 128; off < n; off += step) asm volatile("prefetch.global.L2 [%0];" ::"l"((const char *)p + off));
-}
-
-/* The bytes of W that l2_warm asks for (none without W). */
-static size_t warm_bytes(const GMat *W) {
-    size_t b = W ? gmat_bytes(W) : 0;
-    return b < WARM_BYTES ? b : WARM_BYTES;
-}
-
-/* What a one-token product does besides the dot products: nothing; relu^2 on each output; or the
- * gated group norm's scale, folded into out_proj at decode: x holds u * w (gated, not yet normed),
- * and group g's columns are scaled by rsqrt(mean(u^2) + eps), mean(u^2) = (sum of ss[g * parts ..
- * (g + 1) * parts)) / gsize, the partial sums the scan left. */
-enum { EPI_NONE, EPI_RELU2, EPI_GNORM, GNORM_PARTS = 512 /* most partial sums EPI_GNORM takes */ };
-typedef struct {
-    const float *ss;            /* [groups, parts] partial sums of u^2 */
-    int parts, gsize;           /* partial sums and channels per group */
-    float eps;
-} GroupScale;
 
 /* Blocks of two warps: as a product's last blocks drain, the next kernel's blocks take the freed
  * slots in small steps. Blocks of 8, 4 and 1 warps measured slower, and so did the code the compiler
@@ -409,22 +454,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(float *out, c
     }
     pdl_wait();
     __shared__ float gsum[EPI == EPI_GNORM ? GNORM_PARTS : 1];
-    if (EPI == EPI_GNORM) {   /* all partial sums in one round trip; then group g's scale into gsum[g * parts] */
-        constexpr int PER = GNORM_PARTS / (32 * GEMV_WARPS);
-        int n = cols / gs.gsize * gs.parts;
-        float v[PER];
-#pragma unroll
-        for (int k = 0; k < PER; k++) v[k] = threadIdx.x + k * 32 * GEMV_WARPS < n ? gs.ss[threadIdx.x + k * 32 * GEMV_WARPS] : 0.0f;
-#pragma unroll
-        for (int k = 0; k < PER; k++) gsum[threadIdx.x + k * 32 * GEMV_WARPS] = v[k];
-        __syncthreads();
-        for (int g = threadIdx.x; g < cols / gs.gsize; g += blockDim.x) {
-            float t = 0;
-            for (int j = 0; j < gs.parts; j++) t += gsum[g * gs.parts + j];
-            gsum[g * gs.parts] = rsqrtf(t / gs.gsize + gs.eps);
-        }
-        __syncthreads();
-    }
+    if (EPI == EPI_GNORM) group_scales<32 * GEMV_WARPS>(gsum, gs, cols);
     auto sc = [&](int k) { return EPI == EPI_GNORM ? gsum[k / gs.gsize * gs.parts] : 1.0f; };   /* element k's scale */
     float acc = 0;
     if (row < rows) {
@@ -525,12 +555,6 @@ __global__ void conv_state_kernel(float *state, const float *in, int ldi, int T,
  * and gss[h * gridDim.y + blockIdx.y] = the sum of u^2 over the block's rows. */
 enum { SCAN_STEPS = 16, SCAN_THREADS = 256 };
 
-__device__ __forceinline__ void cp_async4(float *dst, const float *src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int n> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory"); }
-
 /* Lanes per group of four rows: 16 (8 at N = 8). N is a power of two, 8..256. */
 __host__ __device__ constexpr int scan_lanes(int N) { return N >= 16 ? 16 : N; }
 
@@ -615,11 +639,7 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
             for (o /= 4; o; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
             if (writer) {
                 float yv = r + d * xs[row];
-                if (gss) {
-                    float u = yv * gate;
-                    uu += u * u;
-                    yv = u * gww;
-                }
+                if (gss) yv = scan_gate(yv, gate, gww, uu);
                 y[(size_t)(t0 + s) * di + h * P + pw] = yv;
             }
         }
