@@ -434,23 +434,35 @@ __device__ __forceinline__ float dot16(uint4 w, const float *x, int bf) {
  * makes for launch bounds of 256 threads instead of 16 blocks of 64 (bench/RESULTS.md). */
 enum { GEMV_WARPS = 2 };
 
-/* out[i] = epi(sum_k W[i][k] x[k]); wpr warps per row (1 or 2: see matmul), four to eight 16-byte
- * loads in flight per lane. x must be 16-byte aligned; W rows are (their stride ld is a multiple of
- * 8 elements). Blocks from warm_from on (the last wave) then warm L2 for the next product. */
+typedef struct {
+    float *out;                 /* [rows] */
+    const void *W;              /* [rows, ld] bf16 or fp32 (the kernel's BF) */
+    int ld, rows, cols;         /* row stride (a multiple of 8 elements: 16-byte rows), shape */
+    const float *x;             /* [cols], 16-byte aligned */
+    int wpr;                    /* warps a row: 1 or 2 (gemv_wpr) */
+    const void *warm;           /* decode-only: the next product, warmed in L2 (l2_warm) */
+    size_t warm_n;              /* bytes of it to warm (0: none) */
+    int warm_from;              /* the first block that warms: the last wave's */
+    GroupScale gs;              /* EPI_GNORM: the scan's partial sums of u^2 */
+} GemvArgs;
+
+/* out[i] = epi(sum_k W[i][k] x[k]); wpr warps per row, four to eight 16-byte loads in flight per
+ * lane. Blocks from warm_from on (the last wave) then warm L2 for the next product. */
 template <int BF, int EPI>
-__global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(float *out, const void *W, int ld, const float *x, int rows,
-                                                                  int cols, int wpr, const void *warm, size_t warm_n,
-                                                                  int warm_from, GroupScale gs) {
+__global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(const __grid_constant__ GemvArgs a) {
+    const float *x = a.x;
+    const GroupScale gs = a.gs;
+    int rows = a.rows, cols = a.cols, wpr = a.wpr;
     __shared__ float red[GEMV_WARPS];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr;
     int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr;
     const int per = BF ? 8 : 4;                         /* elements per 16 bytes */
-    const char *wrow = (const char *)W + (size_t)(row < rows ? row : 0) * ld * (BF ? 2 : 4);
+    const char *wrow = (const char *)a.W + (size_t)(row < rows ? row : 0) * a.ld * (BF ? 2 : 4);
     const uint4 *w = (const uint4 *)wrow;
     int nvec = cols / per, st = 32 * wpr, c = part * 32 + lane;
-    uint4 a = {}, b = {}, d = {}, e = {};
+    uint4 w0 = {}, w1 = {}, w2 = {}, w3 = {};
     if (row < rows && c + 3 * st < nvec) {   /* weights: fetched while the previous kernel finishes */
-        a = ld_stream(w + c); b = ld_stream(w + c + st); d = ld_stream(w + c + 2 * st); e = ld_stream(w + c + 3 * st);
+        w0 = ld_stream(w + c); w1 = ld_stream(w + c + st); w2 = ld_stream(w + c + 2 * st); w3 = ld_stream(w + c + 3 * st);
     }
     pdl_wait();
     __shared__ float gsum[EPI == EPI_GNORM ? GNORM_PARTS : 1];
@@ -459,21 +471,21 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(float *out, c
     float acc = 0;
     if (row < rows) {
         for (; c + 3 * st < nvec; c += 4 * st) {   /* the next four loads go out before this four's math */
-            uint4 a0 = a, b0 = b, d0 = d, e0 = e;
+            uint4 v0 = w0, v1 = w1, v2 = w2, v3 = w3;
             if (c + 7 * st < nvec) {
-                a = ld_stream(w + c + 4 * st); b = ld_stream(w + c + 5 * st); d = ld_stream(w + c + 6 * st);
-                e = ld_stream(w + c + 7 * st);
+                w0 = ld_stream(w + c + 4 * st); w1 = ld_stream(w + c + 5 * st); w2 = ld_stream(w + c + 6 * st);
+                w3 = ld_stream(w + c + 7 * st);
             }
-            acc += sc(c * per) * dot16(a0, x + c * per, BF) + sc((c + st) * per) * dot16(b0, x + (c + st) * per, BF) +
-                   sc((c + 2 * st) * per) * dot16(d0, x + (c + 2 * st) * per, BF) +
-                   sc((c + 3 * st) * per) * dot16(e0, x + (c + 3 * st) * per, BF);
+            acc += sc(c * per) * dot16(v0, x + c * per, BF) + sc((c + st) * per) * dot16(v1, x + (c + st) * per, BF) +
+                   sc((c + 2 * st) * per) * dot16(v2, x + (c + 2 * st) * per, BF) +
+                   sc((c + 3 * st) * per) * dot16(v3, x + (c + 3 * st) * per, BF);
         }
         for (; c < nvec; c += st) acc += sc(c * per) * dot16(ld_stream(w + c), x + c * per, BF);
         for (int k = nvec * per + part * 32 + lane; k < cols; k += st)   /* the tail that is not a whole 16 bytes */
             acc += (BF ? __bfloat162float(((const bf16 *)wrow)[k]) : ((const float *)wrow)[k]) * x[k] * sc(k);
         acc = warp_sum(acc);
     }
-    if ((int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
+    if ((int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
     if (wpr > 1) {
         if (lane == 0) red[warp] = acc;
         __syncthreads();
@@ -482,7 +494,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(float *out, c
     }
     if (lane == 0 && row < rows) {
         if (EPI == EPI_RELU2) { acc = fmaxf(acc, 0.0f); acc *= acc; }
-        out[row] = acc;
+        a.out[row] = acc;
     }
 }
 
@@ -1717,12 +1729,13 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
                    const GroupScale *gs) {
     if (T == 1) {
         int wpr = gemv_wpr(g, W), blocks = cdiv(W->rows, GEMV_WARPS / wpr);
-        void (*kernels[2][3])(float *, const void *, int, const float *, int, int, int, const void *, size_t, int, GroupScale) = {
+        void (*kernels[2][3])(const GemvArgs) = {
             {gemv_kernel<0, EPI_NONE>, gemv_kernel<0, EPI_RELU2>, gemv_kernel<0, EPI_GNORM>},
             {gemv_kernel<1, EPI_NONE>, gemv_kernel<1, EPI_RELU2>, gemv_kernel<1, EPI_GNORM>}};
-        GroupScale none = {NULL, 0, 1, 0.0f};
-        LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, kernels[W->bf][epi], out, W->w, W->ld, x, W->rows, W->cols, wpr,
-               next ? next->w : NULL, warm_bytes(next), blocks > g->gemv_slots ? blocks - g->gemv_slots : 0, gs ? *gs : none);
+        GemvArgs a = {.out = out, .W = W->w, .ld = W->ld, .rows = W->rows, .cols = W->cols, .x = x, .wpr = wpr,
+                      .warm = next ? next->w : NULL, .warm_n = warm_bytes(next),
+                      .warm_from = blocks > g->gemv_slots ? blocks - g->gemv_slots : 0, .gs = gs ? *gs : GroupScale{NULL, 0, 1, 0.0f}};
+        LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, kernels[W->bf][epi], a);
         return;
     }
     /* row-major out[T][rows] = x[T][cols] W^T is column-major out^T = W^T(op T of W's storage) x^T */

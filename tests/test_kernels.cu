@@ -810,8 +810,9 @@ static void time_gemv(int rows, int cols) {
            2.0 * rows * cols / (us * 1e3));
     for (int wpr = 1; wpr <= GEMV_WARPS; wpr *= 2)
         printf(" %.1f", time_us(g.stream, 50, [&] {
-            LAUNCH(cdiv(rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g.stream, gemv_kernel<1, EPI_NONE>, dout, W.w, W.ld, dx, rows,
-                   cols, wpr, nullptr, 0, 0, GroupScale{});
+            GemvArgs a = {.out = dout, .W = W.w, .ld = W.ld, .rows = rows, .cols = cols, .x = dx, .wpr = wpr, .warm = nullptr,
+                          .warm_n = 0, .warm_from = 0, .gs = GroupScale{}};
+            LAUNCH(cdiv(rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g.stream, gemv_kernel<1, EPI_NONE>, a);
         }));
     printf(" us\n");
     CUDA_CHECK(cudaFree(W.w));
