@@ -958,20 +958,35 @@ enum { ATTN_SPLITS = 32, ATTN_MIN_KEYS = 64 };
 static int attn_splits(int ctx) { return std::min((int)ATTN_SPLITS, cdiv(ctx, ATTN_MIN_KEYS)); }
 __device__ __forceinline__ int attn_len(int n, int splits) { return (n + splits - 1) / splits; }
 
+template <typename KT> struct AttnArgs {
+    float *part;                /* [q heads, splits, head_dim + 2] each split's (max, sum, weighted v) */
+    const float *q;             /* [q heads * head_dim] this rank's queries */
+    const KT *kc, *vc;          /* [ctx, kw] the caches, in the cache's dtype */
+    const int *pos;             /* [1] the query's position: it sees keys 0..pos */
+    int kw, hd;                 /* cache row (kv heads * head_dim), head_dim */
+    int group, q0, kv0;         /* query heads a kv head; this rank's first global query and kv head */
+    float scale;                /* 1 / sqrt(head_dim) */
+    int splits;                 /* splits a head (attn_splits) */
+    const void *warm;           /* decode-only: o_proj, warmed in L2 (l2_warm) */
+    size_t warm_n;              /* bytes of it to warm */
+};
+
 /* One query (decode) against keys 0..pos: block (head, split) keeps an online softmax over its keys
- * and writes (max, sum, sum_j e^(s_j - max) v_j) for combine; a split past the last key writes
- * (-inf, 0, 0). A warp takes four keys at a time and issues all their K and V loads before any math. */
+ *   m = max_j s_j,  l = sum_j e^(s_j - m),  acc = sum_j e^(s_j - m) v_j,  s_j = scale q . k_j
+ * and writes (m, l, acc) for combine; a split past the last key writes (-inf, 0, 0). A warp takes
+ * four keys at a time and issues all their K and V loads before any math. */
 template <int NC, typename KT>
-__global__ void __launch_bounds__(128) attn_decode_kernel(
-        float *part, const float *q, const KT *kc, const KT *vc, const int *pos, int kw, int hd,
-        int group, int q0, int kv0, float scale, int splits, const void *warm, size_t warm_n) {
-    l2_warm(warm, warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
+__global__ void __launch_bounds__(128) attn_decode_kernel(const __grid_constant__ AttnArgs<KT> a) {
+    l2_warm(a.warm, a.warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
     pdl_wait();
+    const KT *kc = a.kc, *vc = a.vc;
+    int kw = a.kw, hd = a.hd, splits = a.splits;
+    float scale = a.scale;
     int h = blockIdx.x, s = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int n = *pos + 1, len = attn_len(n, splits), j0 = s * len, j1 = min(n, j0 + len);
-    float *out = part + ((size_t)h * splits + s) * (hd + 2);
-    const float *qh = q + h * hd;
-    int kvh = (q0 + h) / group - kv0;
+    int n = *a.pos + 1, len = attn_len(n, splits), j0 = s * len, j1 = min(n, j0 + len);
+    float *out = a.part + ((size_t)h * splits + s) * (hd + 2);
+    const float *qh = a.q + h * hd;
+    int kvh = (a.q0 + h) / a.group - a.kv0;
     float m = -INFINITY, l = 0, acc[NC] = {0}, qv[NC];
 #pragma unroll
     for (int c = 0; c < NC; c++) qv[c] = lane + 32 * c < hd ? qh[lane + 32 * c] : 0.0f;
@@ -1022,13 +1037,12 @@ __global__ void __launch_bounds__(128) attn_decode_kernel(
     }
 }
 
-/* Launches attn_decode_kernel for q heads (see there). */
-template <typename KT>
-static void attn_decode(cudaStream_t stream, float *part, const float *q, const KT *kc, const KT *vc, const int *pos, int kw,
-                        int hd, int group, int n_q, int q0, int kv0, float scale, int splits, const void *warm, size_t warm_n) {
+/* Launches attn_decode_kernel for n_q query heads (see there). */
+template <typename KT> static void attn_decode(cudaStream_t stream, const AttnArgs<KT> &a, int n_q) {
+    int hd = a.hd;
     auto k = hd <= 32 ? attn_decode_kernel<1, KT> : hd <= 64 ? attn_decode_kernel<2, KT> : hd <= 128 ? attn_decode_kernel<4, KT>
                                                                                         : attn_decode_kernel<8, KT>;
-    LAUNCH(dim3(n_q, splits), 128, 0, stream, k, part, q, kc, vc, pos, kw, hd, group, q0, kv0, scale, splits, warm, warm_n);
+    LAUNCH(dim3(n_q, a.splits), 128, 0, stream, k, a);
 }
 
 /* out[h] = sum over splits of e^(m_s - M) acc_s / sum over splits of e^(m_s - M) l_s (splits with keys).
@@ -1890,8 +1904,10 @@ template <typename KT> static void attend(Rank *r, GLayer *L, KT *kc, KT *vc, in
     float scale = 1.0f / sqrtf((float)hd);
     LAUNCH(T, 256, 0, g->stream, kv_append_kernel<KT>, kc, vc, g->proj, w, qw, kw, g->pos);
     if (T == 1) {
-        attn_decode(g->stream, g->part, g->proj, kc, vc, g->pos, kw, hd, group, s->q, s->q0, s->kv0, scale, g->splits, L->o.w,
-                    warm_bytes(&L->o));
+        AttnArgs<KT> a = {.part = g->part, .q = g->proj, .kc = kc, .vc = vc, .pos = g->pos, .kw = kw, .hd = hd, .group = group,
+                          .q0 = s->q0, .kv0 = s->kv0, .scale = scale, .splits = g->splits, .warm = L->o.w,
+                          .warm_n = warm_bytes(&L->o)};
+        attn_decode(g->stream, a, s->q);
         LAUNCH(s->q, 128, 0, g->stream, attn_combine_kernel, g->y, g->part, g->pos, hd, g->splits);
     } else {
         attn_prompt(g->stream, g->y, qw, g->proj, w, kc, vc, kw, hd, s->q / s->kv, s->kv, T, pos, scale);

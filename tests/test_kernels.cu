@@ -334,7 +334,9 @@ template <typename KT> static void test_attention(int q, int kv, int hd, int pos
     CUDA_CHECK(cudaMemcpy(d_pos, &pos, sizeof(int), cudaMemcpyHostToDevice));
     float scale = 1.0f / sqrtf((float)hd);
     LAUNCH(1, 256, 0, 0, kv_append_kernel<KT>, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
-    attn_decode(0, d_part, d_qkv, d_k, d_v, d_pos, kw, hd, group, q, 0, 0, scale, splits, d_k, (size_t)ctx * kw * sizeof(KT));
+    AttnArgs<KT> a = {.part = d_part, .q = d_qkv, .kc = d_k, .vc = d_v, .pos = d_pos, .kw = kw, .hd = hd, .group = group,
+                      .q0 = 0, .kv0 = 0, .scale = scale, .splits = splits, .warm = d_k, .warm_n = (size_t)ctx * kw * sizeof(KT)};
+    attn_decode(0, a, q);
     LAUNCH(q, 128, 0, 0, attn_combine_kernel, d_y, d_part, d_pos, hd, splits);
     for (int i = 0; i < kw; i++) { kc[(size_t)pos * kw + i] = op(qkv[q * hd + i]); vc[(size_t)pos * kw + i] = op(qkv[q * hd + kw + i]); }
     std::vector<double> ref((size_t)q * hd);
