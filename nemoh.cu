@@ -269,13 +269,25 @@ __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, float *
  * only come back to this slot after every peer has passed the next call's entry barrier, i.e. after
  * it finished reading here. The grid, min(T, FUSED_BLOCKS) blocks, is the same on every rank (T is
  * rank-invariant): ranks launching different grids would wait on each other's barriers forever. */
-__global__ void __launch_bounds__(NORM_THREADS) fused_allreduce_norm_kernel(
-        ncclDevComm dev, ncclWindow_t win, size_t offset, float *x, float *res, const float *w, int T, int H, float eps) {
+typedef struct {
+    ncclDevComm dev;            /* device communicator: the LSA team and its barriers */
+    ncclWindow_t win;           /* every rank's pend, as a symmetric window */
+    size_t offset;              /* bytes into the window of the slot to reduce */
+    float *x, *res;             /* [T, hidden] normed output; residual, updated */
+    const float *w;             /* [hidden] norm weight */
+    int T, hidden;
+    float eps;
+} FusedArgs;
+
+__global__ void __launch_bounds__(NORM_THREADS) fused_allreduce_norm_kernel(const __grid_constant__ FusedArgs a) {
+    const ncclDevComm &dev = a.dev;
+    float *res = a.res;
+    int T = a.T, H = a.hidden;
     __shared__ const float *peer[64];   /* each rank's slot, as this GPU addresses it (fixed: before the wait) */
     int n = dev.lsaSize;
-    for (int p = threadIdx.x; p < n; p += blockDim.x) peer[p] = (const float *)ncclGetLsaPointer(win, offset, p);
+    for (int p = threadIdx.x; p < n; p += blockDim.x) peer[p] = (const float *)ncclGetLsaPointer(a.win, a.offset, p);
     float wv[NORM_PER];
-    norm_weight(wv, w, H);
+    norm_weight(wv, a.w, H);
     pdl_wait();
     if (n > 1) {   /* alone, there is nobody to wait for: the barrier would be pure cost */
         ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x);
@@ -300,8 +312,13 @@ __global__ void __launch_bounds__(NORM_THREADS) fused_allreduce_norm_kernel(
             v[k] += rv[k];   /* res + (sum of the ranks), as ncclAllReduce then an add would give */
             ss += v[k] * v[k];
         }
-        norm_store(x, r, 1, t, v, ss, wv, H, eps);
+        norm_store(a.x, r, 1, t, v, ss, wv, H, a.eps);
     }
+}
+
+/* Launches the fused kernel on min(T, FUSED_BLOCKS) blocks: the same grid on every rank. */
+static void fused_allreduce_norm(cudaStream_t stream, const FusedArgs &a) {
+    LAUNCH(a.T < FUSED_BLOCKS ? a.T : FUSED_BLOCKS, NORM_THREADS, 0, stream, fused_allreduce_norm_kernel, a);
 }
 
 /* out = bf16(in), row by row: [T, cols] with row strides ldi, ldo */
@@ -1837,8 +1854,9 @@ static void gpu_norm(Rank *r, int l, int how, int T) {
     const float *w = l < c->n_layers ? g->L[l].norm : g->norm_f;
     if (how == NORM_FUSED && g->pend.devapi) {
         size_t off = (size_t)g->pend_slot * r->t_max * c->hidden * sizeof(float);
-        LAUNCH(T < FUSED_BLOCKS ? T : FUSED_BLOCKS, NORM_THREADS, 0, g->stream, fused_allreduce_norm_kernel,
-            g->pend.dev, g->pend.win, off, g->x, g->res, w, T, c->hidden, c->eps);
+        FusedArgs a = {.dev = g->pend.dev, .win = g->pend.win, .offset = off, .x = g->x, .res = g->res, .w = w, .T = T,
+                       .hidden = c->hidden, .eps = c->eps};
+        fused_allreduce_norm(g->stream, a);
         g->pend_slot ^= 1;
         return;
     }
@@ -2580,8 +2598,9 @@ static void ar_rank(ArBench *b) {
             for (int it = 0; it < AR_ITERS; it++) {
                 int s = it & 1;  /* alternate the two slots, as the layer loop does */
                 if (path == 0 && sw.devapi) {
-                    LAUNCH(T < FUSED_BLOCKS ? T : FUSED_BLOCKS, NORM_THREADS, 0, st, fused_allreduce_norm_kernel,
-                        sw.dev, sw.win, s * slot * sizeof(float), x, res, w, T, H, 1e-5f);
+                    FusedArgs a = {.dev = sw.dev, .win = sw.win, .offset = s * slot * sizeof(float), .x = x, .res = res, .w = w,
+                                   .T = T, .hidden = H, .eps = 1e-5f};
+                    fused_allreduce_norm(st, a);
                 } else {
                     NCCL_CHECK(ncclAllReduce(pend + s * slot, red, cnt, ncclFloat, ncclSum, b->comm, st));
                     LAUNCH(T, NORM_THREADS, 0, st, rmsnorm_kernel, x, res, red, w, H, 1e-5f);
