@@ -222,8 +222,8 @@ __global__ void embed_kernel(float *res, const void *emb, int bf, const int *tok
 
 /* The two norm kernels below hold a row in registers, NORM_PER elements a thread (element
  * threadIdx.x + k * NORM_THREADS; hidden <= NORM_PER * NORM_THREADS), so its loads are all in flight
- * together: a norm costs a couple of memory round trips, not one per element. 1024 threads of 8
- * decoded the 8B shape 6 to 30 us a token faster than 512 of 16 (bench/RESULTS.md, S6 runs 6, 7). */
+ * together: a norm costs a couple of memory round trips, not one per element. Tuned on H200: 1024
+ * threads of 8 decode faster than 512 of 16. */
 
 /* This thread's part of the norm weight w (read before the wait, off the critical path). */
 __device__ __forceinline__ void norm_weight(float (&wv)[NORM_PER], const float *w, int H) {
@@ -447,8 +447,8 @@ __device__ __forceinline__ float dot16(uint4 w, const float *x, int bf) {
 }
 
 /* Blocks of two warps: as a product's last blocks drain, the next kernel's blocks take the freed
- * slots in small steps. Blocks of 8, 4 and 1 warps measured slower, and so did the code the compiler
- * makes for launch bounds of 256 threads instead of 16 blocks of 64 (bench/RESULTS.md). */
+ * slots in small steps. Tuned on H200: blocks of 8, 4 and 1 warps are slower, and so is the code the
+ * compiler makes for launch bounds of 256 threads instead of 16 blocks of 64. */
 enum { GEMV_WARPS = 2 };
 
 typedef struct {
@@ -1738,9 +1738,9 @@ static int gemv_slots(int gpu) {
  * a last wave that is mostly empty leaves most SMs idle while it runs; more warps a row make more,
  * smaller blocks, but shorter streams, which are slower. Estimated time, relative:
  *   (1 + idle / (2 waves)) * 1.08^log2(wpr),  idle = the empty part of the last wave
- * (both constants fitted to the H200 timings test_kernels printed for blocks of 8 warps; for blocks
- * of 2 they pick the faster of 1 and 2 warps a row, or one within 2%, at every shape measured in
- * bench/RESULTS.md); at least 8 KB a warp. */
+ * (both constants tuned on H200, on test_kernels' timings: for blocks of 2 warps they pick the
+ * faster of 1 and 2 warps a row, or one within 2%, at every model shape measured); at least 8 KB a
+ * warp. */
 static int gemv_wpr(const GpuRank *g, const GMat *W) {
     int best = 1;
     double best_t = INFINITY;
