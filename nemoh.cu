@@ -2450,30 +2450,50 @@ static void gpu_free(Rank *r) {
  * and SSM state into a slot of one buffer made at the first save, or back. The decode graph reads
  * those same buffers, so a restored state is what its next replay sees. */
 static void gpu_snapshot(Rank *r, int slot, int save) {
-    GpuRank *g = G(r);
+    GpuRank *g = gpu_rank(r);
     const Config *c = r->c;
     size_t nc = (size_t)r->s.conv * 3 * sizeof(float), ns = (size_t)r->s.d_inner * c->d_state * sizeof(float);
     CUDA_CHECK(cudaSetDevice(r->gpu));
     if (!g->snap) {
-        for (int l = 0; l < c->n_layers; l++) g->snap_bytes += c->kind[l] == 'M' ? nc + ns : 0;
+        for (int l = 0; l < c->n_layers; l++) g->snap_bytes += c->kind[l] == K_MAMBA ? nc + ns : 0;
         CUDA_CHECK(cudaMalloc(&g->snap, SNAPSHOT_SLOTS * g->snap_bytes + 1));
     }
     char *p = g->snap + slot * g->snap_bytes;
     for (int l = 0; l < c->n_layers; l++) {
-        if (c->kind[l] != 'M') continue;
-        GLayer *D = &g->L[l];
-        CUDA_CHECK(cudaMemcpyAsync(save ? p : (char *)D->conv_st, save ? (char *)D->conv_st : p, nc, cudaMemcpyDeviceToDevice, g->stream));
-        CUDA_CHECK(cudaMemcpyAsync(save ? p + nc : (char *)D->ssm, save ? (char *)D->ssm : p + nc, ns, cudaMemcpyDeviceToDevice, g->stream));
+        if (c->kind[l] != K_MAMBA) continue;
+        GLayer *gl = &g->L[l];
+        CUDA_CHECK(cudaMemcpyAsync(save ? p : (char *)gl->conv_st, save ? (char *)gl->conv_st : p, nc, cudaMemcpyDeviceToDevice,
+                                   g->stream));
+        CUDA_CHECK(cudaMemcpyAsync(save ? p + nc : (char *)gl->ssm, save ? (char *)gl->ssm : p + nc, ns, cudaMemcpyDeviceToDevice,
+                                   g->stream));
         p += nc + ns;
     }
 }
 static void gpu_snapshot_save(Rank *r, int slot) { gpu_snapshot(r, slot, 1); }
 static void gpu_snapshot_load(Rank *r, int slot) { gpu_snapshot(r, slot, 0); }
 
+/* Designated initialisers, in the order Backend declares its fields (C++ wants that order). */
 extern "C" const Backend cuda_backend = {
-    "cuda", gpu_setup, gpu_teardown, gpu_init, gpu_free, gpu_replay, gpu_begin, gpu_end, gpu_embed, gpu_norm,
-    gpu_mamba, gpu_attention, gpu_mlp, gpu_allreduce, gpu_logits, gpu_sample, gpu_host_logits, gpu_moe,
-    gpu_snapshot_save, gpu_snapshot_load,
+    .name = "cuda",
+    .setup = gpu_setup,
+    .teardown = gpu_teardown,
+    .init = gpu_init,
+    .free = gpu_free,
+    .replay = gpu_replay,
+    .begin = gpu_begin,
+    .end = gpu_end,
+    .embed = gpu_embed,
+    .norm = gpu_norm,
+    .mamba = gpu_mamba,
+    .attention = gpu_attention,
+    .mlp = gpu_mlp,
+    .allreduce = gpu_allreduce,
+    .logits = gpu_logits,
+    .sample = gpu_sample,
+    .host_logits = gpu_host_logits,
+    .moe = gpu_moe,
+    .snapshot_save = gpu_snapshot_save,
+    .snapshot_load = gpu_snapshot_load,
 };
 
 /* ------------------------------------------------------------------------------------------------
