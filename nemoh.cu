@@ -59,10 +59,13 @@ static void launch(const char *file, int line, dim3 grid, dim3 block, size_t sme
 }
 #define LAUNCH(...) launch(__FILE__, __LINE__, __VA_ARGS__)
 
-/* Wait for the previous kernel (see LAUNCH), then let the next one be scheduled. */
+/* Wait for the previous kernel (see LAUNCH), then let the next one be scheduled. Before Hopper there
+ * is no programmatic dependent launch: kernels run one after the other and there is nothing to do. */
 __device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;");
+#endif
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -2115,9 +2118,36 @@ static const float *gpu_host_logits(Rank *r, int rows) {
  * Setup: communicators, memory check, weights onto the device, buffers; teardown
  * ---------------------------------------------------------------------------------------------- */
 
+/* Whether this build's kernels run on a GPU of compute capability major.minor: the architectures
+ * CUDA_ARCH compiled (__CUDA_ARCH_LIST__, e.g. 900 for the default sm_90a) run on their own major
+ * version at that minor or above (sm_90a: 9.0, Hopper, only). */
+static int built_for(int major, int minor) {
+    static const int archs[] = {__CUDA_ARCH_LIST__};
+    for (int a : archs)
+        if (a / 100 == major && a / 10 % 10 <= minor) return 1;
+    return 0;
+}
+
+/* Usable GPUs: 0 without a driver or device, and 0 (with one line saying why) when the build has no
+ * kernels for them, so nemoh runs on the CPU. NEMOH_FAKE_CC=MAJOR.MINOR stands in for every GPU's
+ * compute capability (to test that fallback on any machine with a GPU). */
 int cuda_devices(void) {
     int n = 0;
     if (cudaGetDeviceCount(&n) != cudaSuccess) { cudaGetLastError(); return 0; }
+    const char *fake = getenv("NEMOH_FAKE_CC");
+    for (int i = 0; i < n; i++) {
+        cudaDeviceProp p;
+        CUDA_CHECK(cudaGetDeviceProperties(&p, i));
+        if (fake && sscanf(fake, "%d.%d", &p.major, &p.minor) != 2) {
+            fprintf(stderr, "nemoh: NEMOH_FAKE_CC=%s: expected MAJOR.MINOR, e.g. 8.0\n", fake);
+            exit(1);
+        }
+        if (!built_for(p.major, p.minor)) {
+            fprintf(stderr, "nemoh: GPU %d (%s) has compute capability %d.%d, which this build's kernels do not run on "
+                            "(CUDA_ARCH; the default, sm_90a, needs Hopper, 9.0): running on the CPU\n", i, p.name, p.major, p.minor);
+            return 0;
+        }
+    }
     return n;
 }
 

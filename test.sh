@@ -284,6 +284,18 @@ else
             ./nemoh --bench-allreduce --hidden $h
     done
     refuse "GPU bad input: a model larger than the GPU" "free" ./nemoh --random nemotron-h-8b -c 16000000 --ids 1
+    # a GPU the build has no kernels for (its capability faked): one line says why, then the CPU runs
+    d=tests/fixtures/tiny-f32
+    got=$(NEMOH_FAKE_CC=8.0 ./nemoh -m $d --ids "$(cat $d/prompt.txt)" -n "$(wc -w < $d/greedy.txt)" -t 0 2>"$T/fake.err")
+    if [ "$(grep -c 'compute capability 8.0.*running on the CPU' "$T/fake.err")" -eq 1 ] && grep -q "backend cpu" "$T/fake.err" \
+        && [ "$got" = "$(cat $d/greedy.txt)" ]; then
+        pass "GPU of capability 8.0 (NEMOH_FAKE_CC): one line says why, the CPU backend decodes the fixture as HF"
+    else
+        fail "GPU of capability 8.0 (NEMOH_FAKE_CC): one line says why, the CPU backend decodes the fixture as HF" \
+            "got: $got"$'\n'"$(cat "$T/fake.err")"
+    fi
+    refuse "GPU bad input: NEMOH_FAKE_CC not MAJOR.MINOR" "NEMOH_FAKE_CC=ampere: expected MAJOR.MINOR" \
+        env NEMOH_FAKE_CC=ampere ./nemoh -m tests/fixtures/tiny-f32 --ids 1 -n 1
 fi
 
 finish
