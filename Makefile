@@ -12,27 +12,38 @@ CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 # preferred: on machines whose system NCCL is older, ncclDevCommCreate fails there.
 NCCL_HOME ?= $(or $(shell python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null),$(CUDA_HOME))
 NCCL_LIB := $(or $(firstword $(wildcard $(NCCL_HOME)/lib/libnccl.so.2 $(NCCL_HOME)/lib64/libnccl.so.2)),-lnccl)
+# How cc and nvcc both link NCCL: a library file found above is linked by path and its directory
+# becomes the binary's run path (one spelling both drivers pass through to ld); else -lnccl.
+NCCL_LINK := $(if $(findstring /,$(NCCL_LIB)),-Xlinker -rpath=$(dir $(NCCL_LIB)) -Xlinker $(NCCL_LIB),-lnccl)
+# The GPU architecture: Hopper only by default (see README, "GPU requirement").
 CUDA_ARCH ?= -gencode arch=compute_90a,code=sm_90a
-, := ,
 
 ifneq ($(NVCC),)
+# the engine with the CUDA backend
 nemoh: nemoh.c nemoh.h nemoh_cuda.o Makefile
-	$(CC) -std=c11 $(CFLAGS) $(OPENMP) -DNEMOH_CUDA nemoh.c nemoh_cuda.o -o $@ -L$(CUDA_HOME)/lib64 \
-	    $(if $(findstring /,$(NCCL_LIB)),-Wl$(,)-rpath$(,)$(dir $(NCCL_LIB))) $(NCCL_LIB) -lcublas -lcudart -lstdc++ $(LDLIBS)
+	$(CC) -std=c11 $(CFLAGS) $(OPENMP) -DNEMOH_CUDA nemoh.c nemoh_cuda.o -o $@ -L$(CUDA_HOME)/lib64 $(NCCL_LINK) -lcublas \
+	    -lcudart -lstdc++ $(LDLIBS)
 
 NVFLAGS = -std=c++17 -O3 $(CUDA_ARCH) -DNEMOH_CUDA -I$(NCCL_HOME)/include -Xcompiler -Wall
+# the CUDA backend
 nemoh_cuda.o: nemoh.cu nemoh.h Makefile
 	$(NVCC) $(NVFLAGS) -c nemoh.cu -o $@
 
 # the kernels one by one against float64 host references (test.sh runs it where a GPU exists)
 tests/test_kernels: tests/test_kernels.cu nemoh.cu nemoh.h Makefile
-	$(NVCC) $(NVFLAGS) tests/test_kernels.cu -o $@ $(if $(findstring /,$(NCCL_LIB)),-Xlinker -rpath$(,)$(dir $(NCCL_LIB)) -Xlinker $(NCCL_LIB),-lnccl) -lcublas
+	$(NVCC) $(NVFLAGS) tests/test_kernels.cu -o $@ $(NCCL_LINK) -lcublas
 else
+# the CPU engine alone
 nemoh: nemoh.c nemoh.h Makefile
 	$(CC) -std=c11 $(CFLAGS) $(OPENMP) nemoh.c -o $@ $(LDLIBS)
 endif
 
+# every test (./test.sh: builds from scratch, ends with "N passed, M failed")
+test:
+	./test.sh
+
+# remove what make builds
 clean:
 	rm -f nemoh *.o tests/test_kernels
 
-.PHONY: clean
+.PHONY: test clean
