@@ -2292,7 +2292,7 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g) {
         else if (L->kind == K_ATTN)
             b += mat_bytes(&L->wq, (s->q + 2 * s->kv) * c->head_dim) + mat_bytes(&L->wo, (int)H) +
                  2 * (size_t)r->ctx * s->kv * c->head_dim * (L->wq.dtype == DT_BF16 ? 2 : 4);   /* the cache: see GLayer */
-        else if (L->kind == '-')
+        else if (L->kind == K_MLP)
             b += mat_bytes(&L->up, s->mlp) + mat_bytes(&L->down, (int)H);
         else
             b += (size_t)c->n_experts * (H + 1) * f + mat_bytes(&L->eup[0], c->n_experts * s->moe) +
@@ -2396,7 +2396,7 @@ static void gpu_init(Rank *r) {
             size_t n = (size_t)r->ctx * s->kv * hd, room = gl->qkv.bf ? (n + 1) / 2 : n;   /* in floats: bf16 takes half */
             gl->k = zeros(room);
             gl->v = zeros(room);
-        } else if (L->kind == '-') {
+        } else if (L->kind == K_MLP) {
             gl->up = upload_mat(&L->up, 1);
             gl->down = upload_mat(&L->down, 1);
         } else {
