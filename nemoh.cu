@@ -579,27 +579,44 @@ __global__ void conv_state_kernel(float *state, const float *in, int ldi, int T,
  * with g = h / (heads per group). A group of LR lanes holds four rows; each lane keeps E = N / LR of
  * their state entries (n = sub, sub + LR, ...) in registers for all T steps. Four rows per lane let
  * one read of B and C serve four rows (shared-memory bandwidth is what bounds a scan like this), and
- * the four row sums are reduce-scattered over the LR lanes: after two exchanges each lane carries one
- * row, so a step costs a handful of shuffles, not four full reductions. The block copies the inputs
+ * the four row sums are reduce-scattered over the LR lanes (scan_rows). The block copies the inputs
  * of the next `chunk` steps (its group's B and C, its rows' x, the raw dt) into shared memory with
- * cp.async while it computes the current ones. T = 1 is the decode step; there, given gw and gss, the
- * scan also gates (see EPI_GNORM): y = u * gw with u = y * silu(z), z the first di columns of proj,
- * and gss[h * gridDim.y + blockIdx.y] = the sum of u^2 over the block's rows. */
+ * cp.async while it computes the current ones (stage). T = 1 is the decode step; there, given gw and
+ * gss, the scan also gates (scan_gate, the gated norm fold): y = u * gw with u = y * silu(z), z the
+ * first d_inner columns of proj, and gss[h * gridDim.y + blockIdx.y] = the sum of u^2 over the
+ * block's rows. The kernel takes its inputs one by one: given them as one struct parameter, nvcc 13
+ * stops splitting the step loop into a gated and a plain copy and uses more registers, and the
+ * 2048-step scan measured 12% slower on H200. */
 enum { SCAN_STEPS = 16, SCAN_THREADS = 256 };
 
 /* Lanes per group of four rows: 16 (8 at N = 8). N is a power of two, 8..256. */
 __host__ __device__ constexpr int scan_lanes(int N) { return N >= 16 ? 16 : N; }
 
+/* The row of four (0..3) whose sum lane sub carries after scan_rows; one lane of LR / 4 writes it. */
+template <int LR> __device__ __forceinline__ int scan_row(int sub) { return 2 * ((sub & (LR / 2)) != 0) + ((sub & (LR / 4)) != 0); }
+
+/* The four rows' sums v over the LR lanes, reduce-scattered: rows {0,1} | {2,3}, then one row each,
+ * then the rest; after two exchanges each lane carries one row (scan_row), so a step costs a handful
+ * of shuffles, not four full reductions. */
+template <int LR> __device__ __forceinline__ float scan_rows(const float (&v)[4], int sub) {
+    int o = LR / 2, hi = (sub & o) != 0, hi2 = (sub & (o / 2)) != 0;
+    float k0 = (hi ? v[2] : v[0]) + __shfl_xor_sync(0xffffffffu, hi ? v[0] : v[2], o);
+    float k1 = (hi ? v[3] : v[1]) + __shfl_xor_sync(0xffffffffu, hi ? v[1] : v[3], o);
+    float r = (hi2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi2 ? k0 : k1, o / 2);
+    for (o /= 4; o; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+    return r;
+}
+
 template <int N>
 __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
-        float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off, const float *A,
-        const float *D, const float *dt_bias, int T, int chunk, int H, int P, int G, int di, const void *warm, size_t warm_n,
+        float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off, const float *A, const float *D,
+        const float *dt_bias, int T, int chunk, int heads, int hdim, int groups, int d_inner, const void *warm, size_t warm_n,
         const float *gw, float *gss) {
     constexpr int LR = scan_lanes(N), E = N / LR;   /* compile-time: shared-memory offsets become immediates */
     extern __shared__ float4 sm4[];
     float *sm = (float *)sm4;
     int rpb = blockDim.x / LR * 4, sub = threadIdx.x % LR, q = threadIdx.x / LR;
-    int h = blockIdx.x, p0 = blockIdx.y * rpb, g = h / (H / G), cv = di + 2 * G * N;
+    int h = blockIdx.x, p0 = blockIdx.y * rpb, g = h / (heads / groups), cv = d_inner + 2 * groups * N;
     int buf_len = chunk * (2 * N + rpb + 1);   /* per buffer: B [chunk][N], C [chunk][N], x [chunk][rpb], dt [chunk] */
     float *sdt = sm + 2 * buf_len, *sdA = sdt + SCAN_STEPS;
     float a = A[h], d = D[h], bias = dt_bias[h];
@@ -607,30 +624,30 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         int p = p0 + q * 4 + k;
-        const float *st = ssm + ((size_t)h * P + (p < P ? p : 0)) * N + sub;
+        const float *st = ssm + ((size_t)h * hdim + (p < hdim ? p : 0)) * N + sub;
 #pragma unroll
-        for (int e = 0; e < E; e++) S[k][e] = p < P ? st[e * LR] : 0.0f;
+        for (int e = 0; e < E; e++) S[k][e] = p < hdim ? st[e * LR] : 0.0f;
     }
     l2_warm(warm, warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
-    /* the row this lane writes (see the reduce-scatter below); its z and gw are ready (see LAUNCH) */
-    int row = 2 * ((sub & (LR / 2)) != 0) + ((sub & (LR / 4)) != 0), pw = p0 + q * 4 + row;
-    int writer = (sub & (LR / 4 - 1)) == 0 && pw < P;
+    /* the row this lane writes (see scan_rows); its z and gw are ready (see LAUNCH) */
+    int row = scan_row<LR>(sub), pw = p0 + q * 4 + row;
+    int writer = (sub & (LR / 4 - 1)) == 0 && pw < hdim;
     float gate = 0, gww = 0, uu = 0;   /* silu(z), gw of that row; sum of u^2 */
-    if (gss && writer) { gate = silu(proj[h * P + pw]); gww = gw[h * P + pw]; }
+    if (gss && writer) { gate = silu(proj[h * hdim + pw]); gww = gw[h * hdim + pw]; }
     pdl_wait();
     auto stage = [&](int t0, int buf) {   /* the inputs of steps t0 .. t0 + chunk - 1 into buffer buf */
         int steps = min(chunk, T - t0);
         float *sB = sm + buf * buf_len, *sC = sB + chunk * N, *sx = sC + chunk * N, *sraw = sx + chunk * rpb;
         for (int s = 0; s < steps; s++) {
-            const float *r = xbc + (size_t)(t0 + s) * cv + di + g * N;
+            const float *r = xbc + (size_t)(t0 + s) * cv + d_inner + g * N;
             for (int k = threadIdx.x; k < N; k += blockDim.x) {
                 cp_async4(sB + s * N + k, r + k);
-                cp_async4(sC + s * N + k, r + G * N + k);
+                cp_async4(sC + s * N + k, r + groups * N + k);
             }
         }
         for (int i = threadIdx.x; i < steps * rpb; i += blockDim.x) {
             int s = i / rpb, pp = p0 + i % rpb;
-            if (pp < P) cp_async4(sx + i, xbc + (size_t)(t0 + s) * cv + h * P + pp); else sx[i] = 0;
+            if (pp < hdim) cp_async4(sx + i, xbc + (size_t)(t0 + s) * cv + h * hdim + pp); else sx[i] = 0;
         }
         for (int s = threadIdx.x; s < steps; s += blockDim.x) cp_async4(sraw + s, proj + (size_t)(t0 + s) * ld_proj + dt_off + h);
         cp_async_commit();
@@ -663,16 +680,11 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
                 }
                 v[k] = acc;
             }
-            /* reduce-scatter over the LR lanes: rows {0,1} | {2,3}, then one row each, then the rest */
-            int o = LR / 2, hi = (sub & o) != 0, hi2 = (sub & (o / 2)) != 0;
-            float k0 = (hi ? v[2] : v[0]) + __shfl_xor_sync(0xffffffffu, hi ? v[0] : v[2], o);
-            float k1 = (hi ? v[3] : v[1]) + __shfl_xor_sync(0xffffffffu, hi ? v[1] : v[3], o);
-            float r = (hi2 ? k1 : k0) + __shfl_xor_sync(0xffffffffu, hi2 ? k0 : k1, o / 2);
-            for (o /= 4; o; o >>= 1) r += __shfl_xor_sync(0xffffffffu, r, o);
+            float r = scan_rows<LR>(v, sub);
             if (writer) {
                 float yv = r + d * xs[row];
                 if (gss) yv = scan_gate(yv, gate, gww, uu);
-                y[(size_t)(t0 + s) * di + h * P + pw] = yv;
+                y[(size_t)(t0 + s) * d_inner + h * hdim + pw] = yv;
             }
         }
         __syncthreads();   /* this buffer and sdt are free for the next chunk */
@@ -684,8 +696,8 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         int p = p0 + q * 4 + k;
-        if (p < P) {
-            float *out = ssm + ((size_t)h * P + p) * N + sub;
+        if (p < hdim) {
+            float *out = ssm + ((size_t)h * hdim + p) * N + sub;
 #pragma unroll
             for (int e = 0; e < E; e++) out[e * LR] = S[k][e];
         }
@@ -693,27 +705,28 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
 }
 
 /* The scan's block: groups of four rows, at most SCAN_THREADS threads. */
-static int scan_threads(int P, int N) { return std::min((int)SCAN_THREADS, ((P + 3) / 4 * scan_lanes(N) + 31) / 32 * 32); }
+static int scan_threads(int hdim, int N) { return std::min((int)SCAN_THREADS, ((hdim + 3) / 4 * scan_lanes(N) + 31) / 32 * 32); }
 
 /* The scan's blocks per head (each leaves one partial sum of u^2 when it gates). */
-static int scan_blocks(int P, int N) { return cdiv(P, scan_threads(P, N) / scan_lanes(N) * 4); }
+static int scan_blocks(int hdim, int N) { return cdiv(hdim, scan_threads(hdim, N) / scan_lanes(N) * 4); }
 
-/* Whether a step of T tokens over H heads folds the gated norm into the scan and out_proj (see
- * EPI_GNORM): at decode, where a group of gsize channels is whole 16-byte pieces of y and all the
+/* Whether a step of T tokens over `heads` heads folds the gated norm into the scan and out_proj (see
+ * the decode-only fusions): at decode, where a group of gsize channels is whole 16-byte pieces of y and all the
  * scan's partial sums fit. */
-static int gnorm_folds(int T, int H, int P, int N, int gsize) {
-    return T == 1 && gsize % 8 == 0 && H * scan_blocks(P, N) <= GNORM_PARTS;
+static int gnorm_folds(int T, int heads, int hdim, int N, int gsize) {
+    return T == 1 && gsize % 8 == 0 && heads * scan_blocks(hdim, N) <= GNORM_PARTS;
 }
 
-/* Launches the scan for H heads of P channels, state size N; half the chunk at N = 256 to stay under
- * 48 KB of shared memory. gw, gss: gate at decode (NULL: not). */
+/* Launches the scan for `heads` heads of hdim channels, state size N; half the chunk at N = 256 to
+ * stay under 48 KB of shared memory. gw, gss: gate at decode (NULL: not). */
 static void ssm_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
-                     const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di,
-                     const void *warm, size_t warm_n, const float *gw, float *gss) {
-    int threads = scan_threads(P, N), rpb = threads / scan_lanes(N) * 4, chunk = N > 128 ? SCAN_STEPS / 2 : SCAN_STEPS;
+                     const float *A, const float *D, const float *dt_bias, int T, int heads, int hdim, int N, int groups,
+                     int d_inner, const void *warm, size_t warm_n, const float *gw, float *gss) {
+    int threads = scan_threads(hdim, N), rpb = threads / scan_lanes(N) * 4, chunk = N > 128 ? SCAN_STEPS / 2 : SCAN_STEPS;
     size_t smem = (size_t)(2 * chunk * (2 * N + rpb + 1) + 2 * SCAN_STEPS) * sizeof(float);
-    dim3 grid(H, scan_blocks(P, N));
-#define SCAN(n) LAUNCH(grid, threads, smem, stream, ssm_scan_kernel<n>, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, chunk, H, P, G, di, warm, warm_n, gw, gss)
+    dim3 grid(heads, scan_blocks(hdim, N));
+#define SCAN(n) LAUNCH(grid, threads, smem, stream, ssm_scan_kernel<n>, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, \
+                      chunk, heads, hdim, groups, d_inner, warm, warm_n, gw, gss)
     switch (N) {
     case 8: SCAN(8); break;
     case 16: SCAN(16); break;
