@@ -23,10 +23,10 @@ const fs = require('fs');
 const path = require('path');
 const { Tokenizer } = require('tokenizers');
 const { Template } = require('@huggingface/jinja');
+const { TEKKEN_SPLIT, B2C, byteLevel, tekkenJson } = require('./tekken');
 
 const ROOT = path.join(__dirname, '..');
 const FIX = path.join(ROOT, 'tests', 'fixtures', 'chat');
-const TEKKEN_SPLIT = String.raw`[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+`;
 const SPECIALS = ['<unk>', '<s>', '</s>', '<SPECIAL_10>', '<SPECIAL_11>', '<SPECIAL_12>', '<|im_start|>',
   '<|im_end|>', '<think>', '</think>'];
 const VOCAB = 1200;
@@ -59,18 +59,6 @@ const TEMPLATES = {
   'chatml': 'chatml.jinja',
 };
 
-// GPT-2's bytes_to_unicode(): printable bytes stand for themselves, the other 68 for U+0100 + n.
-const B2C = (() => {
-  const map = [];
-  let n = 0;
-  for (let b = 0; b < 256; b++) {
-    const printable = (b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || (b >= 0xae && b <= 0xff);
-    map[b] = String.fromCodePoint(printable ? b : 0x100 + n++);
-  }
-  return map;
-})();
-const byteLevel = (s) => Array.from(Buffer.from(s, 'utf8'), (b) => B2C[b]).join('');
-
 // Plain BPE training: the most frequent adjacent pair (ties by the pair's text), merged everywhere,
 // until the vocabulary is full. Words are the Tekken split's pieces of the text between specials.
 function train(text) {
@@ -78,7 +66,7 @@ function train(text) {
   const counts = new Map();
   for (const part of text.split(new RegExp(SPECIALS.map((s) => s.replace(/[|]/g, '\\|')).join('|'))))
     for (const m of part.matchAll(split)) {
-      const w = byteLevel(m[0]);
+      const w = byteLevel(Buffer.from(m[0], 'utf8'));
       counts.set(w, (counts.get(w) || 0) + 1);
     }
   const words = [...counts].map(([w, c]) => ({ syms: Array.from(w), c }));
@@ -108,25 +96,8 @@ function train(text) {
 
 function buildTokenizer(text) {
   const { vocab, merges } = train(text);
-  const tj = {
-    version: '1.0', truncation: null, padding: null,
-    added_tokens: SPECIALS.map((s, i) => ({ id: i, content: s, single_word: false, lstrip: false,
-      rstrip: false, normalized: false, special: true })),
-    normalizer: null,
-    pre_tokenizer: { type: 'Sequence', pretokenizers: [
-      { type: 'Split', pattern: { Regex: TEKKEN_SPLIT }, behavior: 'Isolated', invert: false },
-      { type: 'ByteLevel', add_prefix_space: false, trim_offsets: true, use_regex: false }] },
-    post_processor: { type: 'TemplateProcessing',
-      single: [{ SpecialToken: { id: '<s>', type_id: 0 } }, { Sequence: { id: 'A', type_id: 0 } }],
-      pair: [{ SpecialToken: { id: '<s>', type_id: 0 } }, { Sequence: { id: 'A', type_id: 0 } },
-        { SpecialToken: { id: '<s>', type_id: 1 } }, { Sequence: { id: 'B', type_id: 1 } }],
-      special_tokens: { '<s>': { id: '<s>', ids: [1], tokens: ['<s>'] } } },
-    decoder: { type: 'ByteLevel', add_prefix_space: true, trim_offsets: true, use_regex: true },
-    model: { type: 'BPE', dropout: null, unk_token: null, continuing_subword_prefix: null,
-      end_of_word_suffix: null, fuse_unk: false, byte_fallback: false, ignore_merges: true, vocab, merges },
-  };
   const out = path.join(FIX, 'tokenizer.json');
-  Tokenizer.fromString(JSON.stringify(tj)).save(out, false);
+  Tokenizer.fromString(JSON.stringify(tekkenJson(SPECIALS, vocab, merges))).save(out, false);
   console.error(`${out}: ${Object.keys(vocab).length} tokens, ${merges.length} merges`);
   return Tokenizer.fromFile(out);
 }

@@ -23,23 +23,9 @@
 const fs = require('fs');
 const path = require('path');
 const { Tokenizer } = require('tokenizers');
+const { TEKKEN_SPLIT, B2C, byteLevel, tekkenJson } = require('./tekken');
 
 const FIX = path.join(__dirname, '..', 'tests', 'fixtures', 'tokenizer');
-const TEKKEN_SPLIT = String.raw`[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+`;
-
-// GPT-2's bytes_to_unicode(): printable bytes stand for themselves, the other 68 for U+0100 + n.
-function byteToChar() {
-  const map = [];
-  let n = 0;
-  for (let b = 0; b < 256; b++) {
-    const printable = (b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || (b >= 0xae && b <= 0xff);
-    map[b] = String.fromCodePoint(printable ? b : 0x100 + n++);
-  }
-  return map;
-}
-const B2C = byteToChar();
-const bytesToString = (buf) => Array.from(buf, (b) => B2C[b]).join('');
-
 // Writes tj to FIX/<name>/tokenizer.json once HF tokenizers has accepted it: as HF serializes it
 // (viaHF), or as written (the classic gpt2 layout must survive as it is).
 function write(name, tj, viaHF) {
@@ -63,7 +49,7 @@ function tekken() {
   const specials = Array.from({ length: nSpecial }, (_, i) => ['<unk>', '<s>', '</s>'][i] || `<SPECIAL_${i}>`);
   const vocab = {};
   specials.forEach((s, i) => { vocab[s] = i; });
-  ranks.forEach((t, r) => { vocab[bytesToString(t)] = r + nSpecial; });
+  ranks.forEach((t, r) => { vocab[byteLevel(t)] = r + nSpecial; });
 
   // TikTokenConverter.extract_vocab_merges_from_model: every split of a token into two tokens is a
   // merge, ordered by the rank of the token they form, then by the ranks of the two halves.
@@ -76,27 +62,10 @@ function tekken() {
       if (l !== undefined && rr !== undefined) local.push([l, rr, i]);
     }
     local.sort((a, b) => a[0] - b[0] || a[1] - b[1]);
-    for (const [, , i] of local) merges.push([bytesToString(t.subarray(0, i)), bytesToString(t.subarray(i))]);
+    for (const [, , i] of local) merges.push([byteLevel(t.subarray(0, i)), byteLevel(t.subarray(i))]);
   });
 
-  const tj = {
-    version: '1.0', truncation: null, padding: null,
-    added_tokens: specials.map((s, i) => ({ id: i, content: s, single_word: false, lstrip: false,
-      rstrip: false, normalized: false, special: true })),
-    normalizer: null,
-    pre_tokenizer: { type: 'Sequence', pretokenizers: [
-      { type: 'Split', pattern: { Regex: TEKKEN_SPLIT }, behavior: 'Isolated', invert: false },
-      { type: 'ByteLevel', add_prefix_space: false, trim_offsets: true, use_regex: false }] },
-    post_processor: { type: 'TemplateProcessing',
-      single: [{ SpecialToken: { id: '<s>', type_id: 0 } }, { Sequence: { id: 'A', type_id: 0 } }],
-      pair: [{ SpecialToken: { id: '<s>', type_id: 0 } }, { Sequence: { id: 'A', type_id: 0 } },
-        { SpecialToken: { id: '<s>', type_id: 1 } }, { Sequence: { id: 'B', type_id: 1 } }],
-      special_tokens: { '<s>': { id: '<s>', ids: [1], tokens: ['<s>'] } } },
-    decoder: { type: 'ByteLevel', add_prefix_space: true, trim_offsets: true, use_regex: true },
-    model: { type: 'BPE', dropout: null, unk_token: null, continuing_subword_prefix: null,
-      end_of_word_suffix: null, fuse_unk: false, byte_fallback: false, ignore_merges: true, vocab, merges },
-  };
-  write('tekken', tj, true);
+  write('tekken', tekkenJson(specials, vocab, merges), true);
 }
 
 function gpt2() {

@@ -21,6 +21,7 @@
 const fs = require('fs');
 const path = require('path');
 const { Tokenizer } = require('tokenizers');
+const { B2C } = require('./tekken');
 
 const FIX = path.join(__dirname, '..', 'tests', 'fixtures', 'tokenizer');
 
@@ -98,12 +99,6 @@ function generated() {
 // Id sequences for decode: each byte token alone, hand-picked invalid UTF-8, random byte-token
 // sequences biased towards lead and continuation bytes, and random ids from the whole vocab.
 function decodeSequences(tok, vocabSize) {
-  const B2C = [];
-  let n = 0;
-  for (let b = 0; b < 256; b++) {
-    const printable = (b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || (b >= 0xae && b <= 0xff);
-    B2C[b] = String.fromCodePoint(printable ? b : 0x100 + n++);
-  }
   const byteId = B2C.map((c) => tok.tokenToId(c));
   const seqs = byteId.map((id) => [id]);
   const hand = [[0xe2, 0x82, 0xac], [0xe2, 0x82], [0xe2, 0x82, 0x41], [0xe2], [0xe2, 0x41], [0xf0, 0x9f, 0x98, 0x80],
