@@ -170,6 +170,31 @@ static void test_norms(int H, int T) {
     CUDA_CHECK(cudaFree(dtok));
 }
 
+/* ---- host, float64: the selective scan of T steps, the same steps as nemoh.c's cpu_mamba:
+ * dt = softplus(dt_raw + dt_bias), S = exp(dt A) S + dt x B^T, y = S C + D x. proj rows are
+ * z | xBC | dt (width in), xbc rows x | B | C; ssm (heads*hdim x N) carries the state over. ---- */
+static std::vector<double> ref_scan(const std::vector<float> &proj, int in, const std::vector<double> &xbc, std::vector<double> &ssm,
+                                    const std::vector<float> &A, const std::vector<float> &D, const std::vector<float> &dtb,
+                                    int T, int heads, int hdim, int groups, int N) {
+    int di = heads * hdim, cv = di + 2 * groups * N;
+    std::vector<double> y((size_t)T * di);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < heads; h++) {
+            int g = h / (heads / groups);
+            double raw = proj[(size_t)t * in + di + cv + h] + dtb[h], dt = raw > 20 ? raw : log1p(exp(raw)), dA = exp(dt * A[h]);
+            for (int p = 0; p < hdim; p++) {
+                double xv = xbc[(size_t)t * cv + h * hdim + p], acc = 0;
+                for (int n = 0; n < N; n++) {
+                    double &S = ssm[((size_t)h * hdim + p) * N + n];
+                    S = dA * S + dt * xv * xbc[(size_t)t * cv + di + g * N + n];
+                    acc += S * xbc[(size_t)t * cv + di + groups * N + g * N + n];
+                }
+                y[(size_t)t * di + h * hdim + p] = acc + D[h] * xv;
+            }
+        }
+    return y;
+}
+
 /* ---- Mamba2: conv + state, the selective scan + state, the gated group norm, over several calls; at a
  * single step whose groups are whole 16-byte pieces, the gated norm as decode folds it: the scan gates
  * and out_proj (a random one here, 37 x di) scales the groups (EPI_GNORM) ---- */
@@ -205,7 +230,7 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
         if (fold) matmul(&gr, d_out, rows, d_y, di, 1, &Wo, EPI_GNORM, nullptr, &gsc);
         else LAUNCH(T * G, gated_norm_threads(gs), 0, 0, gated_norm_kernel, d_y, d_proj, in, d_gw, di, gs, 1e-5f);
         /* host, float64: the same steps as nemoh.c's cpu_mamba */
-        std::vector<double> xbc((size_t)T * cv), y((size_t)T * di), u((size_t)T * di);
+        std::vector<double> xbc((size_t)T * cv), u((size_t)T * di);
         for (int c = 0; c < cv; c++) {
             std::vector<double> hist(3 + T);
             for (int k = 0; k < 3; k++) hist[k] = conv_st[(size_t)c * 3 + k];
@@ -217,20 +242,7 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
             }
             for (int k = 0; k < 3; k++) conv_st[(size_t)c * 3 + k] = hist[T + k];
         }
-        for (int t = 0; t < T; t++)
-            for (int h = 0; h < H; h++) {
-                int g = h / (H / G);
-                double raw = proj[(size_t)t * in + di + cv + h] + dtb[h], dt = raw > 20 ? raw : log1p(exp(raw)), dA = exp(dt * A[h]);
-                for (int p = 0; p < P; p++) {
-                    double xv = xbc[(size_t)t * cv + h * P + p], acc = 0;
-                    for (int n = 0; n < N; n++) {
-                        double &S = ssm[((size_t)h * P + p) * N + n];
-                        S = dA * S + dt * xv * xbc[(size_t)t * cv + di + g * N + n];
-                        acc += S * xbc[(size_t)t * cv + di + G * N + g * N + n];
-                    }
-                    y[(size_t)t * di + h * P + p] = acc + D[h] * xv;
-                }
-            }
+        std::vector<double> y = ref_scan(proj, in, xbc, ssm, A, D, dtb, T, H, P, G, N);
         std::vector<double> yg = y;   /* what the scan writes: y, or at a folded step u * gw */
         for (int t = 0; t < T; t++)
             for (int g = 0; g < G; g++) {
@@ -287,21 +299,7 @@ static void test_ssd(int H, int P, int G, int N, std::vector<int> steps) {
         if (T > 1) ssd_scan(0, d_y, d_ssd, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
         else ssm_scan(0, d_y, d_ssd, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, nullptr, 0, nullptr, nullptr);
         ssm_scan(0, d_y2, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, nullptr, 0, nullptr, nullptr);
-        std::vector<double> y((size_t)T * di);
-        for (int t = 0; t < T; t++)
-            for (int h = 0; h < H; h++) {
-                int g = h / (H / G);
-                double raw = proj[(size_t)t * in + di + cv + h] + dtb[h], dt = raw > 20 ? raw : log1p(exp(raw)), dA = exp(dt * A[h]);
-                for (int p = 0; p < P; p++) {
-                    double xv = xbc[(size_t)t * cv + h * P + p], acc = 0;
-                    for (int n = 0; n < N; n++) {
-                        double &S = ssm[((size_t)h * P + p) * N + n];
-                        S = dA * S + dt * xv * xbc[(size_t)t * cv + di + g * N + n];
-                        acc += S * xbc[(size_t)t * cv + di + G * N + g * N + n];
-                    }
-                    y[(size_t)t * di + h * P + p] = acc + D[h] * xv;
-                }
-            }
+        std::vector<double> y = ref_scan(proj, in, std::vector<double>(xbc.begin(), xbc.end()), ssm, A, D, dtb, T, H, P, G, N);
         std::vector<float> got = host_copy(d_y, y.size()), got_st = host_copy(d_ssd, ssm.size());
         std::vector<float> scan = host_copy(d_y2, y.size()), scan_st = host_copy(d_ssm, ssm.size());
         char what[160];
