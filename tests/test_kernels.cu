@@ -131,39 +131,39 @@ static void test_matmul(int bf, int rows, int cols, int T, int epi) {
 }
 
 /* ---- embedding gather, RMSNorm with and without the residual add ---- */
-static void test_norms(int H, int T) {
-    std::vector<float> res = rand_vec((size_t)T * H, 3.0f), add = rand_vec((size_t)T * H), w = rand_vec(H);
+static void test_norms(int hidden, int T) {
+    std::vector<float> res = rand_vec((size_t)T * hidden, 3.0f), add = rand_vec((size_t)T * hidden), w = rand_vec(hidden);
     for (int with_add = 0; with_add < 2; with_add++) {
-        float *dres = dev_copy(res), *dadd = dev_copy(add), *dw = dev_copy(w), *dx = dev_copy(std::vector<float>((size_t)T * H));
-        LAUNCH(T, NORM_THREADS, 0, 0, rmsnorm_kernel, dx, dres, with_add ? dadd : NULL, dw, H, 1e-5f);
-        std::vector<double> rx((size_t)T * H), rr((size_t)T * H);
+        float *dres = dev_copy(res), *dadd = dev_copy(add), *dw = dev_copy(w), *dx = dev_copy(std::vector<float>((size_t)T * hidden));
+        LAUNCH(T, NORM_THREADS, 0, 0, rmsnorm_kernel, dx, dres, with_add ? dadd : NULL, dw, hidden, 1e-5f);
+        std::vector<double> rx((size_t)T * hidden), rr((size_t)T * hidden);
         for (int t = 0; t < T; t++) {
             double ss = 0;
-            for (int i = 0; i < H; i++) {
-                size_t k = (size_t)t * H + i;
+            for (int i = 0; i < hidden; i++) {
+                size_t k = (size_t)t * hidden + i;
                 rr[k] = (double)res[k] + (with_add ? add[k] : 0);
                 ss += rr[k] * rr[k];
             }
-            for (int i = 0; i < H; i++) rx[(size_t)t * H + i] = rr[(size_t)t * H + i] / sqrt(ss / H + 1e-5) * w[i];
+            for (int i = 0; i < hidden; i++) rx[(size_t)t * hidden + i] = rr[(size_t)t * hidden + i] / sqrt(ss / hidden + 1e-5) * w[i];
         }
         char what[128];
-        snprintf(what, sizeof what, "rmsnorm%s H=%d T=%d: normed", with_add ? " + residual add" : "", H, T);
+        snprintf(what, sizeof what, "rmsnorm%s hidden=%d T=%d: normed", with_add ? " + residual add" : "", hidden, T);
         expect(what, host_copy(dx, rx.size()), rx, 1e-5);
-        snprintf(what, sizeof what, "rmsnorm%s H=%d T=%d: residual", with_add ? " + residual add" : "", H, T);
+        snprintf(what, sizeof what, "rmsnorm%s hidden=%d T=%d: residual", with_add ? " + residual add" : "", hidden, T);
         expect(what, host_copy(dres, rr.size()), rr, 1e-6);
         for (float *p : {dres, dadd, dw, dx}) CUDA_CHECK(cudaFree(p));
     }
     int V = 37;
-    std::vector<float> table = rand_vec((size_t)V * H);
+    std::vector<float> table = rand_vec((size_t)V * hidden);
     std::vector<int> tok(T);
     for (auto &t : tok) t = (int)(rng() % V);
-    float *dt = dev_copy(table), *dres = dev_copy(std::vector<float>((size_t)T * H));
+    float *dt = dev_copy(table), *dres = dev_copy(std::vector<float>((size_t)T * hidden));
     int *dtok;
     CUDA_CHECK(cudaMalloc(&dtok, T * sizeof(int)));
     CUDA_CHECK(cudaMemcpy(dtok, tok.data(), T * sizeof(int), cudaMemcpyHostToDevice));
-    LAUNCH(dim3(cdiv(H, 256), T), 256, 0, 0, embed_kernel, dres, dt, 0, dtok, H);
-    std::vector<double> ref((size_t)T * H);
-    for (int t = 0; t < T; t++) for (int i = 0; i < H; i++) ref[(size_t)t * H + i] = table[(size_t)tok[t] * H + i];
+    LAUNCH(dim3(cdiv(hidden, 256), T), 256, 0, 0, embed_kernel, dres, dt, 0, dtok, hidden);
+    std::vector<double> ref((size_t)T * hidden);
+    for (int t = 0; t < T; t++) for (int i = 0; i < hidden; i++) ref[(size_t)t * hidden + i] = table[(size_t)tok[t] * hidden + i];
     expect("embedding gather", host_copy(dres, ref.size()), ref, 0);
     CUDA_CHECK(cudaFree(dt));
     CUDA_CHECK(cudaFree(dres));
@@ -198,15 +198,15 @@ static std::vector<double> ref_scan(const std::vector<float> &proj, int in, cons
 /* ---- Mamba2: conv + state, the selective scan + state, the gated group norm, over several calls; at a
  * single step whose groups are whole 16-byte pieces, the gated norm as decode folds it: the scan gates
  * and out_proj (a random one here, 37 x di) scales the groups (EPI_GNORM) ---- */
-static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
-    int di = H * P, cv = di + 2 * G * N, in = di + cv + H + 3;   /* proj rows: z | xBC | dt, then padding */
-    std::vector<float> cw = rand_vec((size_t)cv * 4, 0.5f), cb = rand_vec(cv, 0.2f), A(H), D = rand_vec(H), dtb(H),
+static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> steps) {
+    int di = heads * hdim, cv = di + 2 * groups * N, in = di + cv + heads + 3;   /* proj rows: z | xBC | dt, then padding */
+    std::vector<float> cw = rand_vec((size_t)cv * 4, 0.5f), cb = rand_vec(cv, 0.2f), A(heads), D = rand_vec(heads), dtb(heads),
         gw = rand_vec(di);
-    for (int h = 0; h < H; h++) { A[h] = -(1.0f + 15.0f * (uni() + 1) / 2); dtb[h] = h % 3 ? -3.0f + uni() : -12.0f; }
+    for (int h = 0; h < heads; h++) { A[h] = -(1.0f + 15.0f * (uni() + 1) / 2); dtb[h] = h % 3 ? -3.0f + uni() : -12.0f; }
     std::vector<double> conv_st((size_t)cv * 3, 0.0), ssm((size_t)di * N, 0.0);
     float *d_cw = dev_copy(cw), *d_cb = dev_copy(cb), *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb);
     float *d_gw = dev_copy(gw), *d_cst = dev_copy(std::vector<float>((size_t)cv * 3)), *d_ssm = dev_copy(std::vector<float>((size_t)di * N));
-    int LR = scan_lanes(N), gs = di / G, rows = 37;
+    int LR = scan_lanes(N), gs = di / groups, rows = 37;
     std::vector<float> wo = rand_vec((size_t)rows * di, 1.0f / sqrtf((float)di));
     for (auto &v : wo) v = bf16_round(v);
     std::vector<uint16_t> wob(wo.size());
@@ -214,21 +214,21 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
     Mat wm = {wob.data(), DT_BF16, rows, di, (size_t)di};
     GMat Wo = upload_mat(&wm, 1);
     GpuRank gr = make_rank(1);
-    float *d_gss = dev_copy(std::vector<float>((size_t)H * scan_blocks(P, N))), *d_out = dev_copy(std::vector<float>(rows));
+    float *d_gss = dev_copy(std::vector<float>((size_t)heads * scan_blocks(hdim, N))), *d_out = dev_copy(std::vector<float>(rows));
     for (int T : steps) {
-        int fold = gnorm_folds(T, H, P, N, gs);
+        int fold = gnorm_folds(T, heads, hdim, N, gs);
         std::vector<float> proj = rand_vec((size_t)T * in);
         float *d_proj = dev_copy(proj), *d_xbc = dev_copy(std::vector<float>((size_t)T * cv)), *d_y = dev_copy(std::vector<float>((size_t)T * di));
         LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv);
         if (T > 1) {
             LAUNCH(cdiv(cv, 128), 128, 0, 0, conv_state_kernel, d_cst, d_proj + di, in, T, cv);
         }
-        ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, d_proj, (size_t)T * in * sizeof(float),
+        ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di, d_proj, (size_t)T * in * sizeof(float),
                  fold ? d_gw : nullptr, fold ? d_gss : nullptr);
         std::vector<float> y_scan = host_copy(d_y, (size_t)T * di);
-        GroupScale gsc = {d_gss, H / G * scan_blocks(P, N), gs, 1e-5f};
+        GroupScale gsc = {d_gss, heads / groups * scan_blocks(hdim, N), gs, 1e-5f};
         if (fold) matmul(&gr, d_out, rows, d_y, di, 1, &Wo, EPI_GNORM, nullptr, &gsc);
-        else LAUNCH(T * G, gated_norm_threads(gs), 0, 0, gated_norm_kernel, d_y, d_proj, in, d_gw, di, gs, 1e-5f);
+        else LAUNCH(T * groups, gated_norm_threads(gs), 0, 0, gated_norm_kernel, d_y, d_proj, in, d_gw, di, gs, 1e-5f);
         /* host, float64: the same steps as nemoh.c's cpu_mamba */
         std::vector<double> xbc((size_t)T * cv), u((size_t)T * di);
         for (int c = 0; c < cv; c++) {
@@ -242,10 +242,10 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
             }
             for (int k = 0; k < 3; k++) conv_st[(size_t)c * 3 + k] = hist[T + k];
         }
-        std::vector<double> y = ref_scan(proj, in, xbc, ssm, A, D, dtb, T, H, P, G, N);
+        std::vector<double> y = ref_scan(proj, in, xbc, ssm, A, D, dtb, T, heads, hdim, groups, N);
         std::vector<double> yg = y;   /* what the scan writes: y, or at a folded step u * gw */
         for (int t = 0; t < T; t++)
-            for (int g = 0; g < G; g++) {
+            for (int g = 0; g < groups; g++) {
                 double ss = 0;
                 for (int i = 0; i < gs; i++) {
                     size_t k = (size_t)t * di + g * gs + i;
@@ -258,7 +258,7 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
             }
         std::vector<double> st_ref(ssm.begin(), ssm.end()), cst_ref(conv_st.begin(), conv_st.end());
         char what[128];
-        snprintf(what, sizeof what, "conv1d+SiLU heads %d x %d, G %d, N %d, %d step%s", H, P, G, N, T, T > 1 ? "s" : "");
+        snprintf(what, sizeof what, "conv1d+SiLU heads %d x %d, groups %d, N %d, %d step%s", heads, hdim, groups, N, T, T > 1 ? "s" : "");
         expect(what, host_copy(d_xbc, xbc.size()), xbc, 2e-6);
         snprintf(what, sizeof what, "conv1d state after those steps");
         expect(what, host_copy(d_cst, cst_ref.size()), cst_ref, 0);
@@ -269,10 +269,10 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
         if (fold) {
             std::vector<double> ref(rows, 0.0);
             for (int i = 0; i < rows; i++) for (int k = 0; k < di; k++) ref[i] += wo[(size_t)i * di + k] * u[k];
-            snprintf(what, sizeof what, "gated group RMSNorm folded into out_proj (%d groups of %d)", G, gs);
+            snprintf(what, sizeof what, "gated group RMSNorm folded into out_proj (%d groups of %d)", groups, gs);
             expect(what, host_copy(d_out, rows), ref, 2e-5);
         } else {
-            snprintf(what, sizeof what, "gated group RMSNorm (%d groups of %d)", G, gs);
+            snprintf(what, sizeof what, "gated group RMSNorm (%d groups of %d)", groups, gs);
             expect(what, host_copy(d_y, u.size()), u, 2e-5);
         }
         for (float *p : {d_proj, d_xbc, d_y}) CUDA_CHECK(cudaFree(p));
@@ -285,10 +285,10 @@ static void test_mamba(int H, int P, int G, int N, std::vector<int> steps) {
 /* ---- the chunked SSD scan (prompts of bf16 models) over several calls from a random state, then a
  * decode step by the step-by-step scan from the state it left: outputs and state against float64,
  * and against the step-by-step scan run beside it on the same inputs. TF32 operands: 5e-3. ---- */
-static void test_ssd(int H, int P, int G, int N, std::vector<int> steps) {
-    int di = H * P, cv = di + 2 * G * N, in = di + cv + H + 3;
-    std::vector<float> A(H), D = rand_vec(H), dtb(H), st0 = rand_vec((size_t)di * N);
-    for (int h = 0; h < H; h++) { A[h] = -(1.0f + 15.0f * (uni() + 1) / 2); dtb[h] = h % 3 ? -3.0f + uni() : -12.0f; }
+static void test_ssd(int heads, int hdim, int groups, int N, std::vector<int> steps) {
+    int di = heads * hdim, cv = di + 2 * groups * N, in = di + cv + heads + 3;
+    std::vector<float> A(heads), D = rand_vec(heads), dtb(heads), st0 = rand_vec((size_t)di * N);
+    for (int h = 0; h < heads; h++) { A[h] = -(1.0f + 15.0f * (uni() + 1) / 2); dtb[h] = h % 3 ? -3.0f + uni() : -12.0f; }
     std::vector<double> ssm(st0.begin(), st0.end());
     float *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb), *d_ssd = dev_copy(st0), *d_ssm = dev_copy(st0);
     int done = 0;
@@ -296,15 +296,15 @@ static void test_ssd(int H, int P, int G, int N, std::vector<int> steps) {
         std::vector<float> proj = rand_vec((size_t)T * in), xbc = rand_vec((size_t)T * cv);
         float *d_proj = dev_copy(proj), *d_xbc = dev_copy(xbc), *d_y = dev_copy(std::vector<float>((size_t)T * di, NAN));
         float *d_y2 = dev_copy(std::vector<float>((size_t)T * di, NAN));
-        if (T > 1) ssd_scan(0, d_y, d_ssd, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di);
-        else ssm_scan(0, d_y, d_ssd, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, nullptr, 0, nullptr, nullptr);
-        ssm_scan(0, d_y2, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, nullptr, 0, nullptr, nullptr);
-        std::vector<double> y = ref_scan(proj, in, std::vector<double>(xbc.begin(), xbc.end()), ssm, A, D, dtb, T, H, P, G, N);
+        if (T > 1) ssd_scan(0, d_y, d_ssd, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di);
+        else ssm_scan(0, d_y, d_ssd, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di, nullptr, 0, nullptr, nullptr);
+        ssm_scan(0, d_y2, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di, nullptr, 0, nullptr, nullptr);
+        std::vector<double> y = ref_scan(proj, in, std::vector<double>(xbc.begin(), xbc.end()), ssm, A, D, dtb, T, heads, hdim, groups, N);
         std::vector<float> got = host_copy(d_y, y.size()), got_st = host_copy(d_ssd, ssm.size());
         std::vector<float> scan = host_copy(d_y2, y.size()), scan_st = host_copy(d_ssm, ssm.size());
         char what[160];
         const char *how = T > 1 ? "SSD" : "step scan after SSD";
-        snprintf(what, sizeof what, "%s heads %d x %d, G %d, N %d, steps %d..%d: output", how, H, P, G, N, done, done + T - 1);
+        snprintf(what, sizeof what, "%s heads %d x %d, groups %d, N %d, steps %d..%d: output", how, heads, hdim, groups, N, done, done + T - 1);
         expect(what, got, y, 5e-3);
         snprintf(what, sizeof what, "%s ... state after them", how);
         expect(what, got_st, ssm, 5e-3);
@@ -452,30 +452,30 @@ static void ref_route(const double *l, const std::vector<float> &bias, MoeRoute 
  * cuBLAS logits + a block a token) against ref_route. ties 1: experts 2 and 3 have the same gate row
  * and bias, raised so they are chosen: 2 must come first. ties 2: the last group copies group 1
  * (rows and biases), both raised above the rest, so with topk_group 1 only group 1 may be chosen. */
-static void test_moe_router(int E, int K, int n_group, int topk_group, int norm, float scale, int H, int T, int ties) {
+static void test_moe_router(int E, int K, int n_group, int topk_group, int norm, float scale, int hidden, int T, int ties) {
     MoeRoute rt = {E, K, n_group, topk_group, norm, scale};
     int per = E / n_group;
-    std::vector<float> gate = rand_vec((size_t)E * H, 3.0f / sqrtf((float)H)), bias = rand_vec(E, 0.05f);
+    std::vector<float> gate = rand_vec((size_t)E * hidden, 3.0f / sqrtf((float)hidden)), bias = rand_vec(E, 0.05f);
     if (ties == 1) {
-        for (int i = 0; i < H; i++) gate[(size_t)3 * H + i] = gate[(size_t)2 * H + i];
+        for (int i = 0; i < hidden; i++) gate[(size_t)3 * hidden + i] = gate[(size_t)2 * hidden + i];
         bias[2] = bias[3] = 2.0f;
     }
     if (ties == 2) {
         for (int e = 0; e < per; e++) {
             bias[per + e] += 1.0f;
             bias[(n_group - 1) * per + e] = bias[per + e];
-            for (int i = 0; i < H; i++) gate[((size_t)(n_group - 1) * per + e) * H + i] = gate[((size_t)per + e) * H + i];
+            for (int i = 0; i < hidden; i++) gate[((size_t)(n_group - 1) * per + e) * hidden + i] = gate[((size_t)per + e) * hidden + i];
         }
     }
     GLayer L;
     memset(&L, 0, sizeof L);
     L.gate = dev_copy(gate);
     L.gate_bias = dev_copy(bias);
-    MoeShape ms = {E, K, 8, 8, H, 0, H};
+    MoeShape ms = {E, K, 8, 8, hidden, 0, hidden};
     GpuRank g = make_rank(8);
     moe_alloc(&g, &ms, T);
     for (int run = 0; run < (T == 1 ? 2 : 1); run++) {
-        std::vector<float> x = rand_vec((size_t)T * H);
+        std::vector<float> x = rand_vec((size_t)T * hidden);
         g.x = dev_copy(x);
         CUDA_CHECK(cudaMemset(g.moe_idx, 0xff, (size_t)T * K * sizeof(int)));
         CUDA_CHECK(cudaMemset(g.moe_w, 0xff, (size_t)T * K * sizeof(float)));   /* NaN */
@@ -487,7 +487,7 @@ static void test_moe_router(int E, int K, int n_group, int topk_group, int norm,
         for (int t = 0; t < T; t++) {
             for (int e = 0; e < E; e++) {
                 double a = 0;
-                for (int i = 0; i < H; i++) a += (double)gate[(size_t)e * H + i] * x[(size_t)t * H + i];
+                for (int i = 0; i < hidden; i++) a += (double)gate[(size_t)e * hidden + i] * x[(size_t)t * hidden + i];
                 l[(size_t)t * E + e] = a;
             }
             ref_route(&l[(size_t)t * E], bias, rt, &idx[(size_t)t * K], &w[(size_t)t * K], cm[t]);
@@ -548,9 +548,9 @@ static double bf16r(double v, int round) { return round ? (double)bf16_round((fl
  * random choice, against float64. Expert e's up is rows [r m, (r + 1) m) of a [2m, d] tensor and its
  * down the same columns of a [d, 2m] one (rank r = 1 of 2), uploaded as gpu_init does. Where the
  * prompt path feeds cuBLAS bf16 activations, the reference rounds them at the same points. */
-static void test_moe_products(int bf, int E, int K, int m, int S, int H, int lat, int T) {
-    int d = lat ? lat : H, rb = bf && T > 1;
-    MoeShape ms = {E, K, m, S, H, lat, d};
+static void test_moe_products(int bf, int E, int K, int m, int S, int hidden, int lat, int T) {
+    int d = lat ? lat : hidden, rb = bf && T > 1;
+    MoeShape ms = {E, K, m, S, hidden, lat, d};
     std::vector<HostMat> up, down;
     std::vector<Mat> upv(E), downv(E);
     for (int e = 0; e < E; e++) {
@@ -558,33 +558,33 @@ static void test_moe_products(int bf, int E, int K, int m, int S, int H, int lat
         down.push_back(host_mat(bf, d, 2 * m, 2.0f / sqrtf((float)m)));
     }
     for (int e = 0; e < E; e++) { upv[e] = view(up[e], bf, m, m, 0, d); downv[e] = view(down[e], bf, 0, d, m, m); }
-    HostMat su = host_mat(bf, S, H, 2.0f / sqrtf((float)H)), sd = host_mat(bf, H, S, 2.0f / sqrtf((float)S));
-    HostMat li = host_mat(bf, lat ? lat : 1, H, 1.0f / sqrtf((float)H)), lo = host_mat(bf, H, lat ? lat : 1, 1.0f / sqrtf((float)d));
+    HostMat su = host_mat(bf, S, hidden, 2.0f / sqrtf((float)hidden)), sd = host_mat(bf, hidden, S, 2.0f / sqrtf((float)S));
+    HostMat li = host_mat(bf, lat ? lat : 1, hidden, 1.0f / sqrtf((float)hidden)), lo = host_mat(bf, hidden, lat ? lat : 1, 1.0f / sqrtf((float)d));
     GLayer L;
     memset(&L, 0, sizeof L);
     L.eup = upload_mat(upv.data(), E);
     L.edown = upload_mat(downv.data(), E);
-    Mat v = view(su, bf, 0, S, 0, H);
+    Mat v = view(su, bf, 0, S, 0, hidden);
     L.sup = upload_mat(&v, 1);
-    v = view(sd, bf, 0, H, 0, S);
+    v = view(sd, bf, 0, hidden, 0, S);
     L.sdown = upload_mat(&v, 1);
     if (lat) {
-        v = view(li, bf, 0, lat, 0, H);
+        v = view(li, bf, 0, lat, 0, hidden);
         L.lat_in = upload_mat(&v, 1);
-        v = view(lo, bf, 0, H, 0, lat);
+        v = view(lo, bf, 0, hidden, 0, lat);
         L.lat_out = upload_mat(&v, 1);
     }
     /* a random choice: K distinct experts a token, weights in (0, 2) */
     std::vector<int> idx((size_t)T * K);
-    std::vector<float> w((size_t)T * K), x = rand_vec((size_t)T * H);
+    std::vector<float> w((size_t)T * K), x = rand_vec((size_t)T * hidden);
     for (int t = 0; t < T; t++) {
         std::vector<int> perm(E);
         for (int e = 0; e < E; e++) perm[e] = e;
         std::shuffle(perm.begin(), perm.end(), rng);
         for (int k = 0; k < K; k++) { idx[(size_t)t * K + k] = perm[k]; w[(size_t)t * K + k] = 1.0f + uni(); }
     }
-    GpuRank g = make_rank((size_t)T * pad8(std::max(H, S)));
-    g.act_w = pad8(std::max(H, S));
+    GpuRank g = make_rank((size_t)T * pad8(std::max(hidden, S)));
+    g.act_w = pad8(std::max(hidden, S));
     g.proj = dev_copy(std::vector<float>((size_t)T * S));
     g.x = dev_copy(x);
     moe_alloc(&g, &ms, T);
@@ -597,16 +597,16 @@ static void test_moe_products(int bf, int E, int K, int m, int S, int H, int lat
     CUDA_CHECK(cudaMemset(g.proj, 0xff, (size_t)T * S * sizeof(float)));
     CUDA_CHECK(cudaMemcpy(g.moe_idx, idx.data(), idx.size() * sizeof(int), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(g.moe_w, w.data(), w.size() * sizeof(float), cudaMemcpyHostToDevice));
-    float *out = dev_copy(std::vector<float>((size_t)T * H, NAN));
+    float *out = dev_copy(std::vector<float>((size_t)T * hidden, NAN));
     moe_experts(&g, &L, &ms, out, T, &L.sup);   /* warms the shared up rows again: harmless, and run */
     /* float64 reference */
-    std::vector<double> ref((size_t)T * H);
+    std::vector<double> ref((size_t)T * hidden);
     for (int t = 0; t < T; t++) {
-        std::vector<double> xi(H), z(d), routed(d, 0.0);
-        for (int i = 0; i < H; i++) xi[i] = bf16r(x[(size_t)t * H + i], rb);
+        std::vector<double> xi(hidden), z(d), routed(d, 0.0);
+        for (int i = 0; i < hidden; i++) xi[i] = bf16r(x[(size_t)t * hidden + i], rb);
         for (int j = 0; j < d; j++) {
             double a = 0;
-            if (lat) for (int i = 0; i < H; i++) a += (double)li.v[(size_t)j * H + i] * xi[i]; else a = x[(size_t)t * H + j];
+            if (lat) for (int i = 0; i < hidden; i++) a += (double)li.v[(size_t)j * hidden + i] * xi[i]; else a = x[(size_t)t * hidden + j];
             z[j] = bf16r(a, rb);
         }
         for (int k = 0; k < K; k++) {
@@ -626,19 +626,19 @@ static void test_moe_products(int bf, int E, int K, int m, int S, int H, int lat
         std::vector<double> hs(S);
         for (int i = 0; i < S; i++) {
             double a = 0;
-            for (int j = 0; j < H; j++) a += (double)su.v[(size_t)i * H + j] * xi[j];
+            for (int j = 0; j < hidden; j++) a += (double)su.v[(size_t)i * hidden + j] * xi[j];
             hs[i] = bf16r(a > 0 ? a * a : 0, rb);
         }
-        for (int i = 0; i < H; i++) {
+        for (int i = 0; i < hidden; i++) {
             double a = 0, b = 0;
             for (int j = 0; j < S; j++) a += (double)sd.v[(size_t)i * S + j] * hs[j];
             if (lat) for (int j = 0; j < lat; j++) b += (double)lo.v[(size_t)i * lat + j] * bf16r(routed[j], rb); else b = routed[i];
-            ref[(size_t)t * H + i] = a + b;
+            ref[(size_t)t * hidden + i] = a + b;
         }
     }
     char what[160];
     snprintf(what, sizeof what, "moe %s %s: %d experts top %d, %d / shared %d rows, hidden %d, latent %d, %d token%s", T == 1 ? "decode" : "prompt",
-             bf ? "bf16" : "fp32", E, K, m, S, H, lat, T, T > 1 ? "s" : "");
+             bf ? "bf16" : "fp32", E, K, m, S, hidden, lat, T, T > 1 ? "s" : "");
     expect(what, host_copy(out, ref.size()), ref, rb ? 1e-3 : 2e-5);
     if (T > 1) {   /* the grouping: each expert's rows contiguous, in (token, slot) order within it */
         std::vector<int> off(E + 1), tok((size_t)T * K), row((size_t)T * K), cnt(E, 0), seen(E, -1);
@@ -757,15 +757,15 @@ template <typename F> static float time_us(cudaStream_t s, int reps, F run) {
 /* Not a check: the selective scan's time at one layer of a model's shape, for T steps. (Back to back,
  * each scan reads the state before its wait while the one before still writes it: the engine never
  * runs two scans in a row, see LAUNCH; the time holds, the values are not looked at.) */
-static void time_scan(int H, int P, int G, int N, int T) {
-    int di = H * P, cv = di + 2 * G * N, in = di + cv + H;
-    std::vector<float> A(H, -1.0f), D(H, 1.0f), dtb(H, -3.0f);
+static void time_scan(int heads, int hdim, int groups, int N, int T) {
+    int di = heads * hdim, cv = di + 2 * groups * N, in = di + cv + heads;
+    std::vector<float> A(heads, -1.0f), D(heads, 1.0f), dtb(heads, -3.0f);
     float *d_proj = dev_copy(rand_vec((size_t)T * in, 0.5f)), *d_xbc = dev_copy(rand_vec((size_t)T * cv, 0.5f));
     float *d_y = dev_copy(std::vector<float>((size_t)T * di)), *d_ssm = dev_copy(std::vector<float>((size_t)di * N));
     float *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb);
-    float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di, nullptr, 0, nullptr, nullptr); });
-    printf("# selective scan %d heads x %d, N %d, G %d, %d step%s: %.1f us", H, P, N, G, T, T > 1 ? "s" : "", us);
-    if (T > 1) printf(", chunked SSD %.1f us", time_us(0, 5, [&] { ssd_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, H, P, N, G, di); }));
+    float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di, nullptr, 0, nullptr, nullptr); });
+    printf("# selective scan %d heads x %d, N %d, groups %d, %d step%s: %.1f us", heads, hdim, N, groups, T, T > 1 ? "s" : "", us);
+    if (T > 1) printf(", chunked SSD %.1f us", time_us(0, 5, [&] { ssd_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di); }));
     printf("\n");
     for (float *p : {d_proj, d_xbc, d_y, d_ssm, d_A, d_D, d_dtb}) CUDA_CHECK(cudaFree(p));
 }
@@ -824,12 +824,12 @@ static void time_gemv(int rows, int cols) {
 /* Not a check: one decode step of a MoE layer at a model's shape (router, up, down; random weights
  * drawn on the device), and the bandwidth over the bytes it must read: the router, the chosen
  * experts' rows, the shared expert, the latent projections. */
-static void time_moe(const char *name, int E, int K, int m, int S, int H, int lat) {
-    int d = lat ? lat : H;
-    MoeShape ms = {E, K, m, S, H, lat, d};
+static void time_moe(const char *name, int E, int K, int m, int S, int hidden, int lat) {
+    int d = lat ? lat : hidden;
+    MoeShape ms = {E, K, m, S, hidden, lat, d};
     MoeRoute rt = {E, K, 1, 1, 1, 2.5f};
-    Mat eu = {NULL, DT_BF16, E * m, d, (size_t)d}, ed = {NULL, DT_BF16, E * d, m, (size_t)m}, su = {NULL, DT_BF16, S, H, (size_t)H},
-        sd = {NULL, DT_BF16, H, S, (size_t)S}, li = {NULL, DT_BF16, lat, H, (size_t)H}, lo = {NULL, DT_BF16, H, lat, (size_t)lat};
+    Mat eu = {NULL, DT_BF16, E * m, d, (size_t)d}, ed = {NULL, DT_BF16, E * d, m, (size_t)m}, su = {NULL, DT_BF16, S, hidden, (size_t)hidden},
+        sd = {NULL, DT_BF16, hidden, S, (size_t)S}, li = {NULL, DT_BF16, lat, hidden, (size_t)hidden}, lo = {NULL, DT_BF16, hidden, lat, (size_t)lat};
     GLayer L;
     memset(&L, 0, sizeof L);
     L.eup = upload_mat(&eu, 1);
@@ -837,19 +837,19 @@ static void time_moe(const char *name, int E, int K, int m, int S, int H, int la
     L.sup = upload_mat(&su, 1);
     L.sdown = upload_mat(&sd, 1);
     if (lat) { L.lat_in = upload_mat(&li, 1); L.lat_out = upload_mat(&lo, 1); }
-    L.gate = dev_copy(rand_vec((size_t)E * H, 3.0f / sqrtf((float)H)));
+    L.gate = dev_copy(rand_vec((size_t)E * hidden, 3.0f / sqrtf((float)hidden)));
     L.gate_bias = dev_copy(rand_vec(E, 0.05f));
     GpuRank g = make_rank(8);
-    g.x = dev_copy(rand_vec(H));
+    g.x = dev_copy(rand_vec(hidden));
     moe_alloc(&g, &ms, 1);
-    float *out = dev_copy(std::vector<float>(H));
+    float *out = dev_copy(std::vector<float>(hidden));
     float us = time_us(g.stream, 50, [&] {
         moe_route(&g, &L, &ms, rt, 1);
         moe_experts(&g, &L, &ms, out, 1, NULL);
     });
-    double bytes = (double)E * H * 4 + 2.0 * K * m * d * 2 + 2.0 * S * H * 2 + 2.0 * lat * H * 2;
+    double bytes = (double)E * hidden * 4 + 2.0 * K * m * d * 2 + 2.0 * S * hidden * 2 + 2.0 * lat * hidden * 2;
     printf("# moe decode layer %s (%d experts top %d, %d rows, shared %d, hidden %d, latent %d): %.1f us, %.0f GB/s of %.1f MB\n",
-           name, E, K, m, S, H, lat, us, bytes / (us * 1e3), bytes / 1e6);
+           name, E, K, m, S, hidden, lat, us, bytes / (us * 1e3), bytes / 1e6);
     for (void *p : {L.eup.w, L.edown.w, L.sup.w, L.sdown.w, L.lat_in.w, L.lat_out.w, (void *)L.gate, (void *)L.gate_bias, (void *)out,
                     (void *)g.x})
         CUDA_CHECK(cudaFree(p));
