@@ -777,7 +777,7 @@ static int gated_norm_threads(int gsize) { return std::min(1024, (cdiv(gsize, GN
  * Kernels: the prompt's Mamba2 scan as the chunked state-space-duality (SSD) algorithm
  * ---------------------------------------------------------------------------------------------- */
 
-/* Over a chunk of L steps from state S0 ([P, N] per head), with a_s = dt_s A and cs_t = a_0 + .. + a_t,
+/* Over a chunk of L steps from state S0 ([hdim, N] per head), with a_s = dt_s A and cs_t = a_0 + .. + a_t,
  * the recurrence S_t = exp(a_t) S_{t-1} + dt_t x_t B_t^T, y_t = S_t C_t + D x_t unrolls to
  *   y_t = sum_{s<=t} exp(cs_t - cs_s) (C_t . B_s) dt_s x_s + exp(cs_t) S0 C_t + D x_t
  *   S_L = exp(cs_{L-1}) S0 + sum_s exp(cs_{L-1} - cs_s) dt_s x_s B_s^T
@@ -814,19 +814,20 @@ static constexpr int ssd_smem_floats(int N) {
 template <int N>
 __global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(float *y, float *ssm, const float *xbc, const float *proj,
                                                                  int ld_proj, int dt_off, const float *A, const float *D,
-                                                                 const float *dt_bias, int T, int H, int P, int G, int di) {
+                                                                 const float *dt_bias, int T, int heads, int hdim, int groups,
+                                                                 int d_inner) {
     constexpr int L = SSD_L, PB = SSD_ROWS, LX = PB + 8, LB = N + 4, LM = L + 4;
     static_assert(L == 64 && L * N % (32 * SSD_WARPS) == 0, "the decay scan takes two steps a lane; loads whole rounds");
     extern __shared__ float4 ssd_sm4[];
     float *Xs = (float *)ssd_sm4, *Bs = Xs + L * LX, *Cs = Bs + L * LB, *Ms = Cs + L * LB, *Ss = Ms + L * LM;
     float *dts = Ss + PB * LB, *cs = dts + L, *ws = cs + L;   /* dt_s; cs_s; w_s = exp(cs_{L-1} - cs_s) dt_s */
-    int h = blockIdx.x, p0 = blockIdx.y * PB, g = h / (H / G), cv = di + 2 * G * N;
+    int h = blockIdx.x, p0 = blockIdx.y * PB, g = h / (heads / groups), cv = d_inner + 2 * groups * N;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, c = lane & 3;
     float a = A[h], d = D[h], bias = dt_bias[h];
     pdl_wait();
     for (int i = threadIdx.x; i < PB * N; i += blockDim.x) {
         int p = i / N, n = i % N;
-        Ss[p * LB + n] = p0 + p < P ? ssm[((size_t)h * P + p0 + p) * N + n] : 0.0f;
+        Ss[p * LB + n] = p0 + p < hdim ? ssm[((size_t)h * hdim + p0 + p) * N + n] : 0.0f;
     }
     for (int t0 = 0; t0 < T; t0 += L) {
         int len = min(L, T - t0);
@@ -834,14 +835,14 @@ __global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(float *y, f
 #pragma unroll
         for (int k = 0; k < L * PB / (32 * SSD_WARPS); k++) {
             int i = threadIdx.x + k * 32 * SSD_WARPS, t = i / PB, p = i % PB;
-            Xs[t * LX + p] = t < len && p0 + p < P ? xbc[(size_t)(t0 + t) * cv + h * P + p0 + p] : 0.0f;
+            Xs[t * LX + p] = t < len && p0 + p < hdim ? xbc[(size_t)(t0 + t) * cv + h * hdim + p0 + p] : 0.0f;
         }
 #pragma unroll 8
         for (int k = 0; k < L * N / (32 * SSD_WARPS); k++) {
             int i = threadIdx.x + k * 32 * SSD_WARPS, t = i / N, n = i % N;
-            const float *r = xbc + (size_t)(t0 + t) * cv + di + g * N + n;
+            const float *r = xbc + (size_t)(t0 + t) * cv + d_inner + g * N + n;
             Bs[t * LB + n] = t < len ? r[0] : 0.0f;
-            Cs[t * LB + n] = t < len ? r[G * N] : 0.0f;
+            Cs[t * LB + n] = t < len ? r[groups * N] : 0.0f;
         }
         if (warp == 0) {   /* dt = softplus(raw + bias), then cs: an inclusive scan over the lanes' pairs of steps */
             float dt[2], la[2];
@@ -916,8 +917,8 @@ __global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(float *y, f
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int tt = rt * 16 + gr + (e >> 1) * 8, pp = nt * 8 + 2 * c + (e & 1);
-                if (tt < len && p0 + pp < P)
-                    y[(size_t)(t0 + tt) * di + h * P + p0 + pp] = acc[0][e] + acc[1][e] + d * Xs[tt * LX + pp];
+                if (tt < len && p0 + pp < hdim)
+                    y[(size_t)(t0 + tt) * d_inner + h * hdim + p0 + pp] = acc[0][e] + acc[1][e] + d * Xs[tt * LX + pp];
             }
         }
         __syncthreads();   /* every read of S0 is done */
@@ -944,19 +945,20 @@ __global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(float *y, f
     __syncthreads();
     for (int i = threadIdx.x; i < PB * N; i += blockDim.x) {
         int p = i / N, n = i % N;
-        if (p0 + p < P) ssm[((size_t)h * P + p0 + p) * N + n] = Ss[p * LB + n];
+        if (p0 + p < hdim) ssm[((size_t)h * hdim + p0 + p) * N + n] = Ss[p * LB + n];
     }
 }
 
-/* Launches the SSD scan over T steps for H heads of P channels, state size N (same arguments as ssm_scan). */
+/* Launches the SSD scan over T steps: heads heads of hdim channels, state size N (ssm_scan's arguments). */
 static void ssd_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
-                     const float *A, const float *D, const float *dt_bias, int T, int H, int P, int N, int G, int di) {
+                     const float *A, const float *D, const float *dt_bias, int T, int heads, int hdim, int N, int groups,
+                     int d_inner) {
     auto k = N == 8 ? ssd_scan_kernel<8> : N == 16 ? ssd_scan_kernel<16> : N == 32 ? ssd_scan_kernel<32>
            : N == 64 ? ssd_scan_kernel<64> : N == 128 ? ssd_scan_kernel<128> : ssd_scan_kernel<256>;
     size_t smem = ssd_smem_floats(N) * sizeof(float);
     CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    LAUNCH(dim3(H, cdiv(P, SSD_ROWS)), 32 * SSD_WARPS, smem, stream, k, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, H,
-           P, G, di);
+    LAUNCH(dim3(heads, cdiv(hdim, SSD_ROWS)), 32 * SSD_WARPS, smem, stream, k, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T,
+           heads, hdim, groups, d_inner);
 }
 
 /* ------------------------------------------------------------------------------------------------
