@@ -2,13 +2,14 @@
  * tensor-parallel rank: weights kept in the dtype they were stored in (bf16 stays bf16, f32 and f16
  * become f32), the KV cache in the same dtype, fp32 activations, residual and SSM state. Matrix-vector
  * products for one token are our own bandwidth-bound kernels; for a prompt chunk they go through cuBLAS,
- * and its attention is a flash-attention kernel on the tensor cores. Ranks talk through NCCL; the
- * all-reduce a layer owes is fused into the next layer's entry with NCCL 2.28's device API (symmetric
- * window + LSA barrier).
+ * and with a bf16 model its attention and scan run on the tensor cores too (flash attention, the
+ * chunked SSD scan). Ranks talk through NCCL; the all-reduce a layer owes is fused into the next
+ * layer's entry with NCCL 2.28's device API (symmetric window + LSA barrier).
  *
  * Sections: error checks, device structs, kernels (elementwise and norms, the fused all-reduce, the
- * matrix-vector product, Mamba2, attention, prompt attention, mixture of experts, sampling), matrix
- * products, the backend operations (the mixture-of-experts layer last), setup and teardown, benchmarks. */
+ * speed devices and decode-only fusions, the matrix-vector product, Mamba2, the prompt's SSD scan,
+ * attention, prompt attention, mixture of experts, sampling), matrix products, the backend operations
+ * (the mixture-of-experts layer last), setup and teardown, benchmarks. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -1771,6 +1772,17 @@ static int gemv_wpr(const GpuRank *g, const GMat *W) {
     return best;
 }
 
+/* out[n][rows] = act[n][cols] W^T over n rows, act already in W's dtype (bf16 or fp32), fp32 out;
+ * beta 1 adds to out. Row-major out[n][rows] = act[n][cols] W^T is column-major out^T = W^T(op T of
+ * W's storage) act^T. */
+static void blas_gemm(GpuRank *g, float *out, int ldo, const void *act, int lda, int n, const void *W, int bf, int rows, int cols,
+                      int ld, float beta) {
+    const float one = 1.0f;
+    cudaDataType t = bf ? CUDA_R_16BF : CUDA_R_32F;
+    CUBLAS_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, W, t, ld, act, t, lda, &beta, out, CUDA_R_32F,
+                              ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
 /* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2, or at T = 1
  * the group scale gs (EPI_GNORM). At T = 1 the last wave then warms L2 for `next`, the product that
  * follows. */
@@ -1787,17 +1799,14 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
         LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, kernels[W->bf][epi], a);
         return;
     }
-    /* row-major out[T][rows] = x[T][cols] W^T is column-major out^T = W^T(op T of W's storage) x^T */
-    const float one = 1.0f, zero = 0.0f;
-    if (W->bf) {
+    const void *act = x;
+    int lda = ldx;
+    if (W->bf) {   /* cuBLAS multiplies bf16 by bf16: the activations converted once */
         LAUNCH(T, 256, 0, g->stream, to_bf16_kernel, g->act16, g->act_w, x, ldx, W->cols);
-        CUBLAS_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, W->rows, T, W->cols, &one, W->w, CUDA_R_16BF, W->ld,
-                                  g->act16, CUDA_R_16BF, g->act_w, &zero, out, CUDA_R_32F, ldo, CUBLAS_COMPUTE_32F,
-                                  CUBLAS_GEMM_DEFAULT));
-    } else {
-        CUBLAS_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, W->rows, T, W->cols, &one, W->w, CUDA_R_32F, W->ld,
-                                  x, CUDA_R_32F, ldx, &zero, out, CUDA_R_32F, ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+        act = g->act16;
+        lda = g->act_w;
     }
+    blas_gemm(g, out, ldo, act, lda, T, W->w, W->bf, W->rows, W->cols, W->ld, 0.0f);
     if (epi == EPI_RELU2) {  /* over the T dense rows (only asked for with ldo == rows) */
         LAUNCH(cdiv((long)T * W->rows, 256), 256, 0, g->stream, relu2_kernel, out, (size_t)T * W->rows);
     }
@@ -1984,25 +1993,15 @@ static MoeShape moe_shape(const Rank *r) {
     return ms;
 }
 
-/* out[n][rows] = act[n][cols] W^T over n rows, act already in W's dtype (bf16 or fp32), fp32 out;
- * beta 1 adds to out. */
-static void moe_gemm(GpuRank *g, float *out, int ldo, const void *act, int lda, int n, const void *W, int bf, int rows, int cols,
-                     int ld, float beta) {
-    const float one = 1.0f;
-    cudaDataType t = bf ? CUDA_R_16BF : CUDA_R_32F;
-    CUBLAS_CHECK(cublasGemmEx(g->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, cols, &one, W, t, ld, act, t, lda, &beta, out, CUDA_R_32F,
-                              ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-}
-
 /* moe_idx, moe_w = the choice for each of the T tokens of x: at decode one launch; for a prompt the
  * logits by cuBLAS (fp32), then a block a token. */
-static void moe_route(GpuRank *g, const GLayer *L, const MoeShape *ms, MoeRoute rt, int T) {
+static void moe_choose(GpuRank *g, const GLayer *L, const MoeShape *ms, MoeRoute rt, int T) {
     if (T == 1) {
         LAUNCH(ms->E, ROUTE_THREADS, 0, g->stream, moe_route_kernel, g->moe_idx, g->moe_w, g->moe_logits, g->moe_done,
                (const float *)L->gate, (const float *)L->gate_bias, (const float *)g->x, ms->H, rt);
         return;
     }
-    moe_gemm(g, g->moe_logits, ms->E, g->x, ms->H, T, L->gate, 0, ms->E, ms->H, ms->H, 0.0f);
+    blas_gemm(g, g->moe_logits, ms->E, g->x, ms->H, T, L->gate, 0, ms->E, ms->H, ms->H, 0.0f);
     LAUNCH(T, ROUTE_THREADS, 0, g->stream, moe_select_kernel, g->moe_idx, g->moe_w, (const float *)g->moe_logits,
            (const float *)L->gate_bias, rt);
 }
@@ -2058,7 +2057,7 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
     const int *off = g->host_off;
     for (int e = 0; e < ms->E; e++)
         if (off[e + 1] > off[e])
-            moe_gemm(g, g->moe_h + (size_t)off[e] * m, m, (const char *)g->moe_act + (size_t)off[e] * la * es, la, off[e + 1] - off[e],
+            blas_gemm(g, g->moe_h + (size_t)off[e] * m, m, (const char *)g->moe_act + (size_t)off[e] * la * es, la, off[e + 1] - off[e],
                      (const char *)L->eup.w + (size_t)e * m * L->eup.ld * es, bf, m, d, L->eup.ld, 0.0f);
     LAUNCH(cdiv((long)TK * m, 256), 256, 0, g->stream, relu2_kernel, g->moe_h, (size_t)TK * m);
     const void *h = g->moe_h;
@@ -2070,7 +2069,7 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
     }
     for (int e = 0; e < ms->E; e++)
         if (off[e + 1] > off[e])
-            moe_gemm(g, g->moe_y + (size_t)off[e] * d, d, (const char *)h + (size_t)off[e] * ldh * es, ldh, off[e + 1] - off[e],
+            blas_gemm(g, g->moe_y + (size_t)off[e] * d, d, (const char *)h + (size_t)off[e] * ldh * es, ldh, off[e + 1] - off[e],
                      (const char *)L->edown.w + (size_t)e * d * L->edown.ld * es, bf, d, m, L->edown.ld, 0.0f);
     LAUNCH(dim3(cdiv(d, 256), T), 256, 0, g->stream, moe_combine_kernel, ms->lat ? g->moe_ylat : out, d, ms->lat ? 0 : 1,
            (const float *)g->moe_y, d, (const int *)g->moe_row, (const float *)g->moe_w, K, d);
@@ -2082,7 +2081,7 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
             a = g->moe_act;
             lda = la;
         }
-        moe_gemm(g, out, ms->H, a, lda, T, L->lat_out.w, bf, ms->H, ms->lat, L->lat_out.ld, 1.0f);
+        blas_gemm(g, out, ms->H, a, lda, T, L->lat_out.w, bf, ms->H, ms->lat, L->lat_out.ld, 1.0f);
     }
 }
 
@@ -2091,7 +2090,7 @@ static void gpu_moe(Rank *r, int l, int T) {
     const Config *c = r->c;
     MoeShape ms = moe_shape(r);
     MoeRoute rt = {c->n_experts, c->top_k, c->n_group, c->topk_group, c->norm_topk, c->routed_scale};
-    moe_route(g, &g->L[l], &ms, rt, T);
+    moe_choose(g, &g->L[l], &ms, rt, T);
     moe_experts(g, &g->L[l], &ms, pend_out(r), T, first_product(g, c, l + 1));
 }
 

@@ -480,7 +480,7 @@ static void test_moe_router(int E, int K, int n_group, int topk_group, int norm,
         CUDA_CHECK(cudaMemset(g.moe_idx, 0xff, (size_t)T * K * sizeof(int)));
         CUDA_CHECK(cudaMemset(g.moe_w, 0xff, (size_t)T * K * sizeof(float)));   /* NaN */
         CUDA_CHECK(cudaMemset(g.moe_logits, 0xff, (size_t)T * E * sizeof(float)));
-        moe_route(&g, &L, &ms, rt, T);
+        moe_choose(&g, &L, &ms, rt, T);
         std::vector<double> l((size_t)T * E), w((size_t)T * K);
         std::vector<int> idx((size_t)T * K), got((size_t)T * K);
         std::vector<std::vector<double>> cm(T);   /* each token's choice scores, -inf in dropped groups */
@@ -844,7 +844,7 @@ static void time_moe(const char *name, int E, int K, int m, int S, int hidden, i
     moe_alloc(&g, &ms, 1);
     float *out = dev_copy(std::vector<float>(hidden));
     float us = time_us(g.stream, 50, [&] {
-        moe_route(&g, &L, &ms, rt, 1);
+        moe_choose(&g, &L, &ms, rt, 1);
         moe_experts(&g, &L, &ms, out, 1, NULL);
     });
     double bytes = (double)E * hidden * 4 + 2.0 * K * m * d * 2 + 2.0 * S * hidden * 2 + 2.0 * lat * hidden * 2;
