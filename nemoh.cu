@@ -851,7 +851,7 @@ __global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(float *y, f
             for (int k = 0; k < 2; k++) {
                 int t = 2 * lane + k;
                 float raw = t < len ? proj[(size_t)(t0 + t) * ld_proj + dt_off + h] + bias : 0.0f;
-                dt[k] = t < len ? (raw > 20.0f ? raw : log1pf(__expf(raw))) : 0.0f;
+                dt[k] = t < len ? softplus(raw) : 0.0f;
                 la[k] = dt[k] * a;
             }
             float run = la[0] + la[1];
