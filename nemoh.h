@@ -1,8 +1,8 @@
 /* nemoh.h: the structs every part of nemoh shares, and the backend interface.
  *
- * nemoh.c holds the host side (JSON, safetensors, config, tokenizer, sampler, the one layer loop,
- * the plain-C CPU backend, the CLI); nemoh.cu holds the CUDA backend. Both implement `Backend`,
- * the handful of operations the layer loop in nemoh.c calls. */
+ * nemoh.c holds the host side (the sharding, the plain-C CPU backend, the one layer loop, the ranks,
+ * the sampler; then JSON, config, safetensors, the tokenizer, chat, the CLI); nemoh.cu holds the
+ * CUDA backend. Both implement `Backend`, the handful of operations the layer loop in nemoh.c calls. */
 #ifndef NEMOH_H
 #define NEMOH_H
 
