@@ -84,6 +84,9 @@ typedef struct {
 
 static size_t gmat_bytes(const GMat *W) { return (size_t)W->rows * W->ld * (W->bf ? 2 : 4); }
 
+/* n rounded up to a multiple of 8 elements: rows that start 16-byte aligned (bf16) */
+static __host__ __device__ int pad8(int n) { return (n + 7) / 8 * 8; }
+
 typedef struct {
     float *norm;                /* [hidden] pre-mixer RMSNorm weight */
     GMat in_proj;               /* [in_proj, hidden] rows z | x | B | C | dt of this rank */
@@ -1497,14 +1500,14 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) moe_up_kernel(float *h, c
     pdl_wait();
     if (r >= S + K * m) return;
     const float *in = x;
-    int cols = H, at = K * ((m + 7) / 8 * 8) + r;
+    int cols = H, at = K * pad8(m) + r;
     float scale = 1.0f;
     if (r >= S) {
         int j = (r - S) / m, i = (r - S) - j * m;
         row = (const char *)eup + ((size_t)idx[j] * m + i) * ld_e * es;
         in = z;
         cols = d;
-        at = j * ((m + 7) / 8 * 8) + i;
+        at = j * pad8(m) + i;
         scale = wt[j];
         l2_row(row, (size_t)d * es, lane, 32);
     }
@@ -2025,7 +2028,7 @@ static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, int bf
  * grouped by expert on the GPU, then one cuBLAS product per expert with tokens. cuBLAS takes its
  * sizes from the host, so the group sizes are copied back: one sync per layer, in prefill only. */
 static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *out, int T, const GMat *next) {
-    int bf = L->eup.bf, mp = (ms->m + 7) / 8 * 8, K = ms->K, m = ms->m, d = ms->d;
+    int bf = L->eup.bf, mp = pad8(ms->m), K = ms->K, m = ms->m, d = ms->d;
     const float *z = g->x;
     if (ms->lat) {
         matmul(g, g->moe_z, ms->lat, g->x, ms->H, T, &L->lat_in, EPI_NONE, NULL, NULL);
@@ -2234,8 +2237,6 @@ static void symmetric_window_free(ncclComm_t comm, SymWindow *s) {
     if (s->win) NCCL_CHECK(ncclCommWindowDeregister(comm, s->win));
     if (s->nccl_mem) NCCL_CHECK(ncclMemFree(s->buf)); else CUDA_CHECK(cudaFree(s->buf));
 }
-
-static int pad8(int n) { return (n + 7) / 8 * 8; }
 
 static uint64_t synth_seed = 0x5eed;
 
