@@ -10,6 +10,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <signal.h>
@@ -28,15 +29,49 @@
  * Errors, memory and files
  * ---------------------------------------------------------------------------------------------- */
 
-/* Every user-facing failure ends here: one line on stderr, exit status 1. */
-static void die(const char *fmt, ...) {
+static int utf8_check(const unsigned char *b, size_t n, unsigned *cp);   /* in the tokenizer section */
+
+/* s[0..n) as it may appear in an error line: control characters (C0, DEL, C1) and bytes that are not
+ * UTF-8 become \xNN (\u00NN for C1), so that no file or argument can forge lines or send terminal
+ * codes. Writes at most cap - 1 bytes and a NUL; returns the bytes written. Async-signal-safe. */
+static size_t escape_text(char *out, size_t cap, const char *s, size_t n) {
+    static const char hex[] = "0123456789ABCDEF";
+    const unsigned char *b = (const unsigned char *)s;
+    size_t k = 0;
+    for (size_t i = 0; i < n && k + 7 < cap;) {
+        unsigned cp;
+        int r = utf8_check(b + i, n - i, &cp);
+        if (r > 0 && cp >= 0x20 && cp != 0x7F && (cp < 0x80 || cp > 0x9F)) {
+            for (int j = 0; j < r; j++) out[k++] = (char)b[i + j];
+            i += (size_t)r;
+            continue;
+        }
+        const char *esc = r > 0 && cp >= 0x80 ? "\\u00" : "\\x";
+        unsigned v = r > 0 ? cp : b[i];
+        while (*esc) out[k++] = *esc++;
+        out[k++] = hex[v >> 4 & 15];
+        out[k++] = hex[v & 15];
+        i += r > 0 ? (size_t)r : 1;
+    }
+    out[k] = 0;
+    return k;
+}
+
+/* The fuzz harnesses (tests/fuzz) define this to return to themselves instead. */
+#ifndef NEMOH_DIE_EXIT
+#define NEMOH_DIE_EXIT() exit(1)
+#endif
+
+/* Every user-facing failure ends here: one line on stderr (escaped: see escape_text), exit status 1. */
+__attribute__((noreturn)) static void die(const char *fmt, ...) {
+    char msg[2048], line[4 * sizeof msg];
     va_list ap;
     va_start(ap, fmt);
-    fputs("nemoh: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    int n = vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    exit(1);
+    escape_text(line, sizeof line, msg, n < 0 ? 0 : (size_t)n < sizeof msg ? (size_t)n : sizeof msg - 1);
+    fprintf(stderr, "nemoh: %s\n", line);
+    NEMOH_DIE_EXIT();
 }
 
 static void *xmalloc(size_t n) {
@@ -57,20 +92,41 @@ static double now_s(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-/* Reads a whole file into a NUL-terminated buffer; returns NULL if it cannot be opened. */
-static char *read_file(const char *path, size_t *len) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    if (fseek(f, 0, SEEK_END) != 0) die("%s: cannot seek", path);
-    long n = ftell(f);
-    if (n < 0) die("%s: cannot read (is it a directory?)", path);
-    rewind(f);
-    char *buf = xmalloc((size_t)n + 1);
-    if (fread(buf, 1, (size_t)n, f) != (size_t)n) die("%s: read failed", path);
-    fclose(f);
+/* Reads a file into a NUL-terminated buffer with read() until EOF, so pipes, FIFOs, /dev/stdin and
+ * /proc files read as they are; but never more than max + 1 bytes: *len > max says there was more.
+ * Returns NULL if the file cannot be opened (errno says why); dies on a directory or a read error. */
+static char *read_file(const char *path, size_t *len, size_t max) {
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return NULL;
+    struct stat st;
+    if (fstat(fd, &st) != 0) die("%s: cannot stat: %s", path, strerror(errno));
+    if (S_ISDIR(st.st_mode)) die("%s: is a directory", path);
+    size_t n = 0, cap = S_ISREG(st.st_mode) && (size_t)st.st_size <= max ? (size_t)st.st_size + 1 : max < 65536 ? max + 1 : 65536;
+    char *buf = xmalloc(cap + 1);
+    for (;;) {
+        if (n == cap) {
+            cap = cap > max / 2 ? max + 1 : 2 * cap;
+            char *grown = realloc(buf, cap + 1);
+            if (!grown) die("%s: out of memory reading %zu bytes", path, cap);
+            buf = grown;
+        }
+        ssize_t r = read(fd, buf + n, cap - n);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) die("%s: read failed: %s", path, strerror(errno));
+        n += (size_t)r;
+        if (r == 0 || n > max) break;
+    }
+    close(fd);
     buf[n] = 0;
-    if (len) *len = (size_t)n;
+    *len = n;
     return buf;
+}
+
+/* A whole text file of at most max bytes (config.json, tokenizer.json, ...); NULL if it cannot be opened. */
+static char *read_text(const char *path, size_t *len, size_t max) {
+    char *text = read_file(path, len, max);
+    if (text && *len > max) die("%s: larger than %zu bytes", path, max);
+    return text;
 }
 
 static int file_exists(const char *path) {
@@ -126,6 +182,8 @@ typedef struct {
     int **route;                /* [n] each rank's chosen experts, compared with rank 0's (MoE) */
     float *logits;              /* [t_max, vocab] gathered logits: rank r writes columns of its slice */
     int rows;                   /* rows of logits the last forward wrote; the sampler reads the last */
+    int bad;                    /* where the residual stream first stopped being finite (rank 0
+                                   watches): -1 nowhere yet, n_layers the embedding, else a layer */
 } CpuShared;
 
 typedef struct {
@@ -288,10 +346,15 @@ static void cpu_norm(Rank *r, int l, int how, int T) {
     const float *w = l < r->c->n_layers ? r->w.layer[l].norm : r->w.norm_f;
     const float *add = how == NORM_PLAIN ? NULL : st->pend;
     if (how == NORM_FUSED) add = host_allreduce(r, st->sum, T);   /* the deferred all-reduce, then add + norm */
+    CpuShared *sh = r->sh;
     for (int t = 0; t < T; t++) {
         float *res = st->res + (size_t)t * hidden;
         if (add) for (int i = 0; i < hidden; i++) res[i] += add[(size_t)t * hidden + i];
         rmsnorm(st->x + (size_t)t * hidden, res, w, hidden, r->c->eps);
+        /* the first non-finite residual names the layer whose output was just added (the sampler
+           reports it: NaN or Inf weights otherwise decode as garbage) */
+        for (int i = 0; sh->bad < 0 && r->s.rank == 0 && i < hidden; i++)
+            if (!isfinite(res[i])) sh->bad = how == NORM_PLAIN ? r->c->n_layers : l - 1;
     }
 }
 
@@ -516,7 +579,16 @@ static int sample_logits(const float *logits, int V, float temp, float topp, uin
 
 static int cpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t step) {
     CpuShared *sh = r->sh;
-    return sample_logits(sh->logits + (size_t)(sh->rows - 1) * r->c->vocab, r->c->vocab, temp, topp, seed, step);
+    const Config *c = r->c;
+    int id = sample_logits(sh->logits + (size_t)(sh->rows - 1) * c->vocab, c->vocab, temp, topp, seed, step);
+    if (id < 0 && r->s.rank == 0) {   /* one rank speaks; the others wait for the exit */
+        if (sh->bad < 0) die("non-finite logits: the final norm or lm_head made them (every layer's output is finite)");
+        if (sh->bad == c->n_layers) die("non-finite logits: the embedding of a prompt token is not finite");
+        char k = c->kind[sh->bad];
+        die("non-finite logits: layer %d (%s) is the first whose output is not finite", sh->bad,
+            k == 'M' ? "mamba" : k == '*' ? "attention" : k == '-' ? "mlp" : "moe");
+    }
+    return id;
 }
 
 static const float *cpu_host_logits(Rank *r, int rows) {
@@ -532,6 +604,7 @@ static void *cpu_setup(const Config *c, int n, int t_max, int logit_rows) {
     sh->route = xcalloc((size_t)n, sizeof(int *));
     (void)t_max;
     sh->logits = xcalloc((size_t)logit_rows * (size_t)c->vocab, sizeof(float));
+    sh->bad = -1;
     return sh;
 }
 
@@ -742,6 +815,7 @@ static int engine_sample(Engine *e, float temp, float topp, uint64_t seed, uint6
     run_ranks(e, job_sample, &a);
     for (int i = 1; i < e->n; i++)
         if (out[i] != out[0]) die("ranks disagree on the sampled token (rank 0: %d, rank %d: %d)", out[0], i, out[i]);
+    if (out[0] < 0 || out[0] >= e->c.vocab) die("non-finite logits (run with --cpu to find the first layer that made them)");
     return out[0];
 }
 
@@ -751,10 +825,14 @@ static int engine_sample(Engine *e, float temp, float topp, uint64_t seed, uint6
 
 /* temp 0: the argmax (the first, on ties). Otherwise p_i ~ exp((l_i - max) / temp); top-p keeps every
  * token whose probability reaches a threshold, the highest one whose kept mass is still >= topp
- * (found by bisection, so no sort), and draws among them in index order with coin(seed, step). */
+ * (found by bisection, so no sort), and draws among them in index order with coin(seed, step).
+ * -1 when a logit is NaN or infinite: there is nothing to sample from. */
 static int sample_logits(const float *l, int V, float temp, float topp, uint64_t seed, uint64_t step) {
     int best = 0;
-    for (int i = 1; i < V; i++) if (l[i] > l[best]) best = i;
+    for (int i = 0; i < V; i++) {
+        if (!isfinite(l[i])) return -1;
+        if (l[i] > l[best]) best = i;
+    }
     if (temp <= 0) return best;
     float *p = xmalloc((size_t)V * sizeof(float));
     double total = 0;
@@ -788,11 +866,16 @@ static int sample_logits(const float *l, int V, float temp, float topp, uint64_t
 
 typedef enum { J_NULL, J_BOOL, J_NUM, J_STR, J_ARR, J_OBJ } JType;
 
+/* A document may hold at most 1 GiB of text (so every length fits an int) and 4M values (64 bytes
+ * each: a flat array cannot make a small file cost gigabytes). The largest tokenizer.json nemoh
+ * reads, Tekken's, has 0.95M. */
+enum { JSON_MAX_BYTES = 1 << 30, JSON_MAX_NODES = 1 << 22 };
+
 typedef struct Json Json;
 struct Json {
     JType type;                 /* kind of value */
-    double num;                 /* J_NUM value, J_BOOL 0/1 (accepts Infinity, -Infinity, NaN) */
-    const char *str;            /* J_STR: decoded UTF-8, NUL-terminated */
+    double num;                 /* J_NUM value (also Infinity, -Infinity, NaN, as Python writes them), J_BOOL 0/1 */
+    const char *str;            /* J_STR: decoded, valid UTF-8, NUL-terminated */
     int len;                    /* J_STR: bytes in str (may contain NUL) */
     const char *key;            /* member key when this value sits in an object, else NULL */
     int klen;                   /* bytes in key */
@@ -826,6 +909,7 @@ static void json_ws(JsonParser *p) {
 /* Nodes live in one growing array and are linked by index while parsing (the array may move). */
 static size_t json_node(JsonParser *p) {
     if (p->used == p->cap) {
+        if (p->used == JSON_MAX_NODES) json_fail(p, "more than 4194304 values");
         p->cap = p->cap ? 2 * p->cap : 1024;
         Json *q = realloc(p->pool, p->cap * sizeof(Json));
         if (!q) die("%s: out of memory parsing JSON", p->what);
@@ -865,7 +949,8 @@ static int utf8_put(char *out, unsigned cp) {
 }
 
 /* Decodes the string at p->pos (just past its opening quote) in place; the output never outgrows
- * the input, so writing behind the read position is safe. */
+ * the input, so writing behind the read position is safe. Raw bytes must be UTF-8 (RFC 8259): a
+ * token or name that is not would split characters wherever it matched. */
 static char *json_string(JsonParser *p, int *len) {
     char *out = p->buf + p->pos, *w = out;
     for (;;) {
@@ -873,6 +958,15 @@ static char *json_string(JsonParser *p, int *len) {
         unsigned char ch = (unsigned char)p->buf[p->pos++];
         if (ch == '"') break;
         if (ch < 0x20) json_fail(p, "control character in string");
+        if (ch >= 0x80) {
+            unsigned cp;
+            int r = utf8_check((const unsigned char *)p->buf + p->pos - 1, p->len - p->pos + 1, &cp);
+            if (r <= 0) json_fail(p, "invalid UTF-8 in string");
+            memmove(w, p->buf + p->pos - 1, (size_t)r);
+            w += r;
+            p->pos += (size_t)r - 1;
+            continue;
+        }
         if (ch != '\\') { *w++ = (char)ch; continue; }
         if (p->pos >= p->len) json_fail(p, "unterminated string");
         ch = (unsigned char)p->buf[p->pos++];
@@ -911,6 +1005,31 @@ static int json_word(JsonParser *p, const char *word) {
     size_t n = strlen(word);
     if (p->pos + n <= p->len && memcmp(p->buf + p->pos, word, n) == 0) { p->pos += n; return 1; }
     return 0;
+}
+
+/* A number exactly as JSON writes it, -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?, converted by
+ * strtod (which alone would also take hex, "inf" and "nan"). Too large a magnitude gives +-inf. */
+static double json_number(JsonParser *p) {
+    const char *b = p->buf;
+    size_t i = p->pos + (b[p->pos] == '-'), d;
+    if (b[i] == '0') i++;
+    else if (b[i] >= '1' && b[i] <= '9') while (b[i] >= '0' && b[i] <= '9') i++;
+    else json_fail(p, "bad number");
+    if (b[i] == '.') {
+        for (d = ++i; b[i] >= '0' && b[i] <= '9'; i++) {}
+        if (i == d) json_fail(p, "bad number");
+    }
+    if (b[i] == 'e' || b[i] == 'E') {
+        i += b[i + 1] == '+' || b[i + 1] == '-' ? 2 : 1;
+        for (d = i; b[i] >= '0' && b[i] <= '9'; i++) {}
+        if (i == d) json_fail(p, "bad number");
+    }
+    char save = p->buf[i];   /* the text is NUL-terminated at len, so b[i] never reads past it */
+    p->buf[i] = 0;
+    double v = strtod(b + p->pos, NULL);
+    p->buf[i] = save;
+    p->pos = i;
+    return v;
 }
 
 static size_t json_value(JsonParser *p);
@@ -982,11 +1101,8 @@ static size_t json_value(JsonParser *p) {
         p->pool[self].type = J_NUM;
         p->pool[self].num = NAN;
     } else if (ch == '-' || (ch >= '0' && ch <= '9')) {
-        char *end;
         p->pool[self].type = J_NUM;
-        p->pool[self].num = strtod(p->buf + p->pos, &end);
-        if (end == p->buf + p->pos) json_fail(p, "bad number");
-        p->pos = (size_t)(end - p->buf);
+        p->pool[self].num = json_number(p);
     } else {
         json_fail(p, "unexpected character");
     }
@@ -996,6 +1112,7 @@ static size_t json_value(JsonParser *p) {
 
 /* Parses text[0..len) (copied; text itself is not modified). Dies naming `what` on malformed input. */
 static JsonDoc json_parse(const char *text, size_t len, const char *what) {
+    if (len > JSON_MAX_BYTES) die("%s: larger than %d bytes of JSON", what, JSON_MAX_BYTES);
     JsonParser p = {0};
     p.buf = xmalloc(len + 1);
     memcpy(p.buf, text, len);
@@ -1029,6 +1146,15 @@ static const Json *json_get(const Json *o, const char *key) {
     return NULL;
 }
 
+/* 1 if j is a number with an integer value in [lo, hi] (|hi| <= 2^53, where doubles are exact),
+ * stored in *v. Every integer nemoh reads from a file comes through here. */
+static int json_int(const Json *j, int64_t lo, int64_t hi, int64_t *v) {
+    if (!j || j->type != J_NUM || !(j->num >= (double)lo && j->num <= (double)hi) || j->num != floor(j->num))
+        return 0;
+    *v = (int64_t)j->num;
+    return 1;
+}
+
 /* Element i of array a, or NULL. */
 static const Json *json_at(const Json *a, int i) {
     if (!a || a->type != J_ARR || i < 0 || i >= a->n) return NULL;
@@ -1044,20 +1170,33 @@ static const Json *json_at(const Json *a, int i) {
 /* An integer config value; `need`: die if absent, else return `def`. */
 static int cfg_int(const Json *root, const char *path, const char *key, int need, int def) {
     const Json *v = json_get(root, key);
+    int64_t x;
     if (!v || v->type == J_NULL) {
         if (need) die("%s: missing key %s", path, key);
         return def;
     }
-    if (v->type != J_NUM || v->num != floor(v->num) || v->num < 0 || v->num > 1e9)
-        die("%s: %s must be an integer from 0 to 10^9", path, key);
-    return (int)v->num;
+    if (!json_int(v, 0, 1000000000, &x)) die("%s: %s must be an integer from 0 to 10^9", path, key);
+    return (int)x;
+}
+
+/* A boolean config value (true or false: a string "true" is refused, not read as anything). */
+static int cfg_bool(const Json *root, const char *path, const char *key, int def) {
+    const Json *v = json_get(root, key);
+    if (!v || v->type == J_NULL) return def;
+    if (v->type != J_BOOL) die("%s: %s must be true or false", path, key);
+    return v->num != 0;
 }
 
 /* A boolean that nemoh only supports in one state (biases, for instance). */
 static void cfg_require(const Json *root, const char *path, const char *key, int want) {
-    const Json *v = json_get(root, key);
-    if (v && v->type == J_BOOL && (int)v->num != want)
-        die("%s: %s = %s is not supported", path, key, want ? "false" : "true");
+    if (cfg_bool(root, path, key, want) != want) die("%s: %s = %s is not supported", path, key, want ? "false" : "true");
+}
+
+/* Sizes the engine forms from the config, computed in 64 bits and held to explicit limits, so that
+ * no int arithmetic on them (nor a chunk of up to 65536 tokens times one, in size_t) can overflow. */
+enum { WIDTH_MAX = 1 << 24, CTX_MAX = 1 << 24, CONV_MAX = 64 };
+static void cfg_limit(const char *path, const char *what, int64_t v, int64_t max) {
+    if (v > max) die("%s: %s = %lld, more than nemoh's limit of %lld", path, what, (long long)v, (long long)max);
 }
 
 static void cfg_act(const Json *root, const char *path, const char *key, const char *want) {
@@ -1101,14 +1240,15 @@ static void config_moe(Config *c, const Json *root, const char *path) {
     cfg_require(root, path, "mlp_bias", 0);
 }
 
-static void config_load(Config *c, const char *dir) {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/config.json", dir);
+/* Dies unless dir is a directory (before any file in it is named in an error). */
+static void model_dir(const char *dir) {
     struct stat st;
-    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) die("%s: no such model directory", dir);
-    size_t len;
-    char *text = read_file(path, &len);
-    if (!text) die("%s: cannot open", path);
+    if (stat(dir, &st) != 0) die("%s: no such model directory", dir);
+    if (!S_ISDIR(st.st_mode)) die("%s: not a directory (-m names the model directory)", dir);
+}
+
+/* The config from the text of config.json (path: for messages). */
+static void config_parse(Config *c, const char *text, size_t len, const char *path) {
     JsonDoc doc = json_parse(text, len, path);
     const Json *root = &doc.nodes[0];
     if (root->type != J_OBJ) die("%s: not a JSON object", path);
@@ -1145,7 +1285,8 @@ static void config_load(Config *c, const char *dir) {
     c->hidden = cfg_int(root, path, "hidden_size", 1, 0);
     const Json *eps = json_get(root, "rms_norm_eps");
     if (!eps) eps = json_get(root, "layer_norm_epsilon");
-    if (eps && (eps->type != J_NUM || !(eps->num > 0 && eps->num < 1))) die("%s: bad norm epsilon", path);
+    if (eps && (eps->type != J_NUM || !(eps->num < 1 && (float)eps->num >= FLT_MIN)))
+        die("%s: the norm epsilon must be a number from %g (a normal float) to 1", path, FLT_MIN);
     c->eps = eps ? (float)eps->num : 1e-5f;  /* transformers' default */
     c->ctx = cfg_int(root, path, "max_position_embeddings", 0, 4096);
     if (has_a) {
@@ -1168,8 +1309,7 @@ static void config_load(Config *c, const char *dir) {
         c->n_groups = cfg_int(root, path, "n_groups", 1, 0);
         c->d_state = cfg_int(root, path, "ssm_state_size", 1, 0);
         c->d_conv = cfg_int(root, path, "conv_kernel", 1, 0);
-        const Json *cb = json_get(root, "use_conv_bias");
-        c->conv_bias = !cb || cb->num != 0;
+        c->conv_bias = cfg_bool(root, path, "use_conv_bias", 1);
         if (!c->m_heads || !c->m_hdim || !c->n_groups || !c->d_state || !c->d_conv || c->m_heads % c->n_groups)
             die("%s: mamba_num_heads must be a positive multiple of n_groups (and sizes positive)", path);
         cfg_act(root, path, "mamba_hidden_act", "silu");
@@ -1178,14 +1318,37 @@ static void config_load(Config *c, const char *dir) {
     }
     if (has_kind(c, 'E')) config_moe(c, root, path);
     if (!c->vocab || !c->hidden || !c->ctx) die("%s: vocab_size, hidden_size and max_position_embeddings must be positive", path);
+    int64_t di = (int64_t)c->m_heads * c->m_hdim, gn = (int64_t)c->n_groups * c->d_state;
+    int64_t q = (int64_t)c->n_heads * c->head_dim, kv = (int64_t)c->n_kv * c->head_dim;
+    cfg_limit(path, "vocab_size", c->vocab, WIDTH_MAX);
+    cfg_limit(path, "hidden_size", c->hidden, WIDTH_MAX);
+    cfg_limit(path, "intermediate_size", c->mlp, WIDTH_MAX);
+    cfg_limit(path, "max_position_embeddings", c->ctx, CTX_MAX);
+    cfg_limit(path, "num_attention_heads * head_dim + 2 * num_key_value_heads * head_dim", q + 2 * kv, WIDTH_MAX);
+    cfg_limit(path, "mamba in_proj rows (2 * heads * head_dim + 2 * n_groups * state + heads)", 2 * di + 2 * gn + c->m_heads, WIDTH_MAX);
+    cfg_limit(path, "conv_kernel", c->d_conv, CONV_MAX);
+
+    /* eos_token_id: an id or a list of ids, each an integer */
     const Json *eos = json_get(root, "eos_token_id");
-    if (eos && eos->type == J_ARR) {
-        for (const Json *e = eos->child; e && c->n_eos < MAX_EOS; e = e->next)
-            if (e->type == J_NUM) c->eos[c->n_eos++] = (int)e->num;
-    } else if (eos && eos->type == J_NUM) {
-        c->eos[c->n_eos++] = (int)eos->num;
+    int n_eos = eos && eos->type == J_ARR ? eos->n : eos && eos->type != J_NULL ? 1 : 0;
+    if (n_eos > MAX_EOS) die("%s: eos_token_id lists more than %d ids", path, MAX_EOS);
+    for (int i = 0; i < n_eos; i++) {
+        int64_t id;
+        if (!json_int(eos->type == J_ARR ? json_at(eos, i) : eos, 0, c->vocab - 1, &id))
+            die("%s: eos_token_id must be a token id (an integer from 0 to vocab_size - 1) or a list of them", path);
+        c->eos[c->n_eos++] = (int)id;
     }
     json_free(&doc);
+}
+
+static void config_load(Config *c, const char *dir) {
+    char path[4096];
+    size_t len;
+    model_dir(dir);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    char *text = read_text(path, &len, 1 << 20);
+    if (!text) die("%s: cannot open", path);
+    config_parse(c, text, len, path);
     free(text);
 }
 
@@ -1236,8 +1399,81 @@ static int span_cmp(const void *a, const void *b) {
     return x->begin < y->begin ? -1 : x->begin > y->begin;
 }
 
-/* Maps one .safetensors file: [u64 header length][JSON header][data], and checks every tensor's
- * dtype, shape and byte range against the file before anything reads it. */
+/* The tensor table of one .safetensors file in memory, [u64 header length][JSON header][data]:
+ * every tensor's dtype, shape and byte range checked against the file before anything reads it. */
+static void st_parse(Checkpoint *ck, const char *path, const char *file, size_t size) {
+    uint64_t hlen;
+    if (size < 8) die("%s: truncated: %zu bytes, shorter than the 8-byte header length", path, size);
+    memcpy(&hlen, file, 8);  /* little-endian, as is every machine nemoh runs on */
+    if (hlen > size - 8) die("%s: header length %llu exceeds the file size %zu", path, (unsigned long long)hlen, size);
+    if (hlen > 100000000) die("%s: header of %llu bytes, more than the format's 100 MB", path, (unsigned long long)hlen);
+    const char *data = file + 8 + hlen;
+    size_t data_size = size - 8 - hlen;
+    JsonDoc doc = json_parse(file + 8, hlen, path);
+    const Json *root = &doc.nodes[0];
+    if (root->type != J_OBJ) die("%s: header is not a JSON object", path);
+    Span *spans = xcalloc((size_t)root->n, sizeof(Span));
+    int n_spans = 0;
+    for (const Json *e = root->child; e; e = e->next) {
+        if (e->klen == 12 && memcmp(e->key, "__metadata__", 12) == 0) continue;
+        if (memchr(e->key, 0, (size_t)e->klen)) die("%s: a tensor name holds a NUL character", path);
+        const Json *dt = json_get(e, "dtype"), *shape = json_get(e, "shape"), *off = json_get(e, "data_offsets");
+        if (!dt || dt->type != J_STR || !shape || shape->type != J_ARR || !off || off->type != J_ARR || off->n != 2)
+            die("%s: tensor %s: header entry needs dtype, shape and data_offsets", path, e->key);
+        Tensor t = {0};
+        t.dtype = -1;
+        for (int i = 0; i < 3; i++) if (strcmp(dt->str, dtype_name[i]) == 0) t.dtype = i;
+        if (t.dtype < 0) die("%s: tensor %s has dtype %s; nemoh reads F32, BF16 and F16", path, e->key, dt->str);
+        if (shape->n > 4) die("%s: tensor %s has %d dimensions (at most 4)", path, e->key, shape->n);
+        uint64_t numel = 1;
+        for (const Json *d = shape->child; d; d = d->next) {
+            int64_t v;
+            if (!json_int(d, 0, (int64_t)1 << 40, &v) || __builtin_mul_overflow(numel, (uint64_t)v, &numel))
+                die("%s: tensor %s: bad shape", path, e->key);
+            t.shape[t.ndim++] = (long)v;
+        }
+        int64_t b, en;
+        if (!json_int(json_at(off, 0), 0, (int64_t)data_size, &b) || !json_int(json_at(off, 1), b, (int64_t)data_size, &en))
+            die("%s: tensor %s: data_offsets [%.0f, %.0f] lie outside the file's %zu data bytes", path, e->key,
+                json_at(off, 0)->num, json_at(off, 1)->num, data_size);
+        if (numel > (uint64_t)data_size || (uint64_t)(en - b) != numel * (uint64_t)dtype_size[t.dtype])
+            die("%s: tensor %s: %lld bytes for %llu %s elements", path, e->key, (long long)(en - b),
+                (unsigned long long)numel, dtype_name[t.dtype]);
+        if ((8 + hlen + (uint64_t)b) % (uint64_t)dtype_size[t.dtype] != 0)
+            die("%s: tensor %s is not aligned to its element size", path, e->key);
+        t.name = strdup(e->key);
+        if (!t.name) die("out of memory");
+        t.data = data + b;
+        t.file = path;
+        if (en > b) spans[n_spans++] = (Span){(size_t)b, (size_t)en, t.name};   /* empty ones overlap nothing */
+        *ck_add(ck) = t;
+    }
+    qsort(spans, (size_t)n_spans, sizeof(Span), span_cmp);
+    for (int i = 1; i < n_spans; i++)
+        if (spans[i].begin < spans[i - 1].end)
+            die("%s: tensors %s and %s overlap", path, spans[i - 1].name, spans[i].name);
+    free(spans);
+    json_free(&doc);
+}
+
+/* A read from a mapped file that was truncated while nemoh ran raises SIGBUS: say which file. */
+static const Checkpoint *mapped_ck;
+static void on_sigbus(int sig, siginfo_t *si, void *ctx) {
+    (void)sig, (void)ctx;
+    const char *path = "a mapped checkpoint file";
+    for (int i = 0; mapped_ck && i < mapped_ck->n_files; i++) {
+        const MappedFile *f = &mapped_ck->file[i];
+        if ((const char *)si->si_addr >= (const char *)f->map && (const char *)si->si_addr < (const char *)f->map + f->size)
+            path = f->path;
+    }
+    static const char pre[] = "nemoh: ", post[] = ": cannot read: the file was truncated or replaced while nemoh ran\n";
+    char name[1024];
+    size_t n = escape_text(name, sizeof name, path, strlen(path));
+    if (write(2, pre, sizeof pre - 1) < 0 || write(2, name, n) < 0 || write(2, post, sizeof post - 1) < 0) _exit(1);
+    _exit(1);
+}
+
+/* Maps one .safetensors file and reads its tensor table. */
 static void st_open(Checkpoint *ck, const char *path) {
     if (ck->n_files == (int)(sizeof ck->file / sizeof ck->file[0])) die("%s: too many shard files", path);
     int fd = open(path, O_RDONLY);
@@ -1251,57 +1487,13 @@ static void st_open(Checkpoint *ck, const char *path) {
     close(fd);
     MappedFile *mf = &ck->file[ck->n_files++];
     mf->path = strdup(path);
+    if (!mf->path) die("out of memory");
     mf->map = map;
     mf->size = size;
-
-    uint64_t hlen;
-    memcpy(&hlen, map, 8);  /* little-endian, as is every machine nemoh runs on */
-    if (hlen > size - 8) die("%s: header length %llu exceeds the file size %zu", path, (unsigned long long)hlen, size);
-    const char *data = (const char *)map + 8 + hlen;
-    size_t data_size = size - 8 - hlen;
-    JsonDoc doc = json_parse((const char *)map + 8, hlen, mf->path);
-    const Json *root = &doc.nodes[0];
-    if (root->type != J_OBJ) die("%s: header is not a JSON object", path);
-    Span *spans = xcalloc((size_t)root->n, sizeof(Span));
-    int n_spans = 0;
-    for (const Json *e = root->child; e; e = e->next) {
-        if (e->klen == 12 && memcmp(e->key, "__metadata__", 12) == 0) continue;
-        const Json *dt = json_get(e, "dtype"), *shape = json_get(e, "shape"), *off = json_get(e, "data_offsets");
-        if (!dt || dt->type != J_STR || !shape || shape->type != J_ARR || !off || off->type != J_ARR || off->n != 2)
-            die("%s: tensor %s: header entry needs dtype, shape and data_offsets", path, e->key);
-        Tensor t = {0};
-        t.dtype = -1;
-        for (int i = 0; i < 3; i++) if (strcmp(dt->str, dtype_name[i]) == 0) t.dtype = i;
-        if (t.dtype < 0) die("%s: tensor %s has dtype %s; nemoh reads F32, BF16 and F16", path, e->key, dt->str);
-        if (shape->n > 4) die("%s: tensor %s has %d dimensions (at most 4)", path, e->key, shape->n);
-        double numel = 1;
-        for (const Json *d = shape->child; d; d = d->next) {
-            if (d->type != J_NUM || d->num < 0 || d->num != floor(d->num) || d->num > 1e12)
-                die("%s: tensor %s: bad shape", path, e->key);
-            t.shape[t.ndim++] = (long)d->num;
-            numel *= d->num;
-        }
-        double b = json_at(off, 0)->num, en = json_at(off, 1)->num;
-        if (json_at(off, 0)->type != J_NUM || json_at(off, 1)->type != J_NUM || b < 0 || en < b || b != floor(b) ||
-            en != floor(en) || en > (double)data_size)
-            die("%s: tensor %s: data_offsets [%.0f, %.0f] lie outside the file's %zu data bytes", path, e->key, b, en,
-                data_size);
-        if (en - b != numel * dtype_size[t.dtype])
-            die("%s: tensor %s: %.0f bytes for %.0f %s elements", path, e->key, en - b, numel, dtype_name[t.dtype]);
-        if ((8 + hlen + (size_t)b) % (size_t)dtype_size[t.dtype] != 0)
-            die("%s: tensor %s is not aligned to its element size", path, e->key);
-        t.name = strdup(e->key);
-        t.data = data + (size_t)b;
-        t.file = mf->path;
-        spans[n_spans++] = (Span){(size_t)b, (size_t)en, t.name};
-        *ck_add(ck) = t;
-    }
-    qsort(spans, (size_t)n_spans, sizeof(Span), span_cmp);
-    for (int i = 1; i < n_spans; i++)
-        if (spans[i].begin < spans[i - 1].end)
-            die("%s: tensors %s and %s overlap", path, spans[i - 1].name, spans[i].name);
-    free(spans);
-    json_free(&doc);
+    mapped_ck = ck;
+    struct sigaction sa = {.sa_sigaction = on_sigbus, .sa_flags = SA_SIGINFO};
+    sigaction(SIGBUS, &sa, NULL);
+    st_parse(ck, mf->path, map, size);
 }
 
 static int tensor_cmp(const void *a, const void *b) { return strcmp(((const Tensor *)a)->name, ((const Tensor *)b)->name); }
@@ -1328,7 +1520,7 @@ static void build_checkpoint(Checkpoint *ck, const char *dir) {
     ck->dir = dir;
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
     size_t len;
-    char *text = read_file(path, &len);
+    char *text = read_text(path, &len, 1 << 28);
     if (text) {
         JsonDoc doc = json_parse(text, len, path);
         const Json *map = json_get(&doc.nodes[0], "weight_map");
@@ -1364,6 +1556,7 @@ static void free_checkpoint(Checkpoint *ck) {
         munmap(ck->file[i].map, ck->file[i].size);
         free(ck->file[i].path);
     }
+    if (mapped_ck == ck) mapped_ck = NULL;
     memset(ck, 0, sizeof *ck);
 }
 
@@ -1588,6 +1781,7 @@ typedef struct Tokenizer {
     size_t (*split)(const unsigned char *s, size_t n, size_t i);  /* end of the pre-token at s[i] */
     int pre[8], n_pre;          /* ids the post-processor puts before the text */
     int post[8], n_post;        /* and after it */
+    int max_piece;              /* the longest token string in bytes: no token covers more text */
 } Tokenizer;
 
 /* Array p of *cap items of `size` bytes, grown (by doubling) to hold at least `need` items. */
@@ -1790,6 +1984,7 @@ typedef struct {                /* one tok_encode call: its output and BPE scrat
     TokPair *heap;              /* min-heap of queued merges by (rank, pos) */
     char *word;                 /* the pre-token in byte-level characters */
     size_t cap_sym, cap_heap, cap_word;
+    size_t max;                 /* stop once there are more ids than this (0: never) */
 } TokEnc;
 
 static void enc_push(TokEnc *e, int id) {
@@ -1867,7 +2062,7 @@ static void bpe_word(const Tokenizer *t, TokEnc *e, const unsigned char *w, size
  * others: with no normalizer both passes see the text itself. */
 static void encode_part(const Tokenizer *t, TokEnc *e, const unsigned char *s, size_t n, int k) {
     if (k == 2) {
-        for (size_t i = 0, j; i < n; i = j) {
+        for (size_t i = 0, j; i < n && !(e->max && e->n > e->max); i = j) {
             j = t->split(s, n, i);
             bpe_word(t, e, s + i, j - i);
         }
@@ -1875,7 +2070,7 @@ static void encode_part(const Tokenizer *t, TokEnc *e, const unsigned char *s, s
     }
     const TokAdded *a = &t->added[k];
     size_t from = 0, i = 0;
-    while (i < n) {
+    while (i < n && !(e->max && e->n > e->max)) {
         int id = -1, m = 0;
         for (int x = 0; a->first[s[i]] && x < a->n_lens && id < 0; x++)
             if ((size_t)(m = a->lens[x]) <= n - i) id = map_get(&a->map, t->bytes, s + i, (size_t)m);
@@ -1888,8 +2083,9 @@ static void encode_part(const Tokenizer *t, TokEnc *e, const unsigned char *s, s
 }
 
 /* The ids of text[0..len), with the post-processor's special tokens (the BOS); caller frees.
- * HF encodes Rust strings, valid UTF-8: invalid input is read as from_utf8_lossy reads it. */
-static int *tok_encode(const Tokenizer *t, const char *text, size_t len, int *n_out) {
+ * HF encodes Rust strings, valid UTF-8: invalid input is read as from_utf8_lossy reads it.
+ * With max > 0 it stops soon after the ids pass max (then *n_out > max, the rest not encoded). */
+static int *tok_encode(const Tokenizer *t, const char *text, size_t len, size_t max, int *n_out) {
     char *s;
     size_t n;
     FILE *f = open_memstream(&s, &n);
@@ -1897,6 +2093,7 @@ static int *tok_encode(const Tokenizer *t, const char *text, size_t len, int *n_
     utf8_lossy((const unsigned char *)text, len, 1, f);
     fclose(f);
     TokEnc e = {0};
+    e.max = max;
     e.ids = tok_grow(e.ids, &e.cap, 1 + n / 3, sizeof(int));
     for (int i = 0; i < t->n_pre; i++) enc_push(&e, t->pre[i]);
     encode_part(t, &e, (const unsigned char *)s, n, 0);
@@ -1911,18 +2108,20 @@ static int *tok_encode(const Tokenizer *t, const char *text, size_t len, int *n_
 
 /* ---- Decoding ---- */
 
-static void tok_check_id(const Tokenizer *t, int id) {
-    if (id < 0 || id >= t->n_vocab) die("token id %d outside the vocabulary (0..%d)", id, t->n_vocab - 1);
+/* Bytes id decodes to. An id with no token (past a tokenizer smaller than the model's padded
+ * vocabulary) decodes to nothing, as HF's decode skips ids it has no token for. */
+static size_t tok_len(const Tokenizer *t, int id) {
+    return id >= 0 && id < t->n_vocab ? (size_t)t->len[id] : 0;
 }
 
 /* Whole-sequence decode, as HF's decode(ids, skip_special_tokens=False) with the ByteLevel
  * decoder: the tokens' bytes, with invalid UTF-8 shown as U+FFFD. NUL-terminated; caller frees. */
 static char *tok_decode(const Tokenizer *t, const int *ids, int n, size_t *len) {
     size_t total = 0, k = 0;
-    for (int i = 0; i < n; i++) tok_check_id(t, ids[i]), total += (size_t)t->len[ids[i]];
+    for (int i = 0; i < n; i++) total += tok_len(t, ids[i]);
     unsigned char *raw = xmalloc(total);
-    for (int i = 0; i < n; k += (size_t)t->len[ids[i++]])
-        memcpy(raw + k, t->bytes + t->off[ids[i]], (size_t)t->len[ids[i]]);
+    for (int i = 0; i < n; k += tok_len(t, ids[i++]))
+        if (tok_len(t, ids[i])) memcpy(raw + k, t->bytes + t->off[ids[i]], tok_len(t, ids[i]));
     char *out;
     size_t out_len;
     FILE *f = open_memstream(&out, &out_len);
@@ -1942,11 +2141,10 @@ typedef struct {                /* streaming decode state; start from {0} */
 /* Writes token id to f as soon as its bytes complete characters: what the tokens so far decode
  * to, less an unfinished character at the end, which is held for the next token. */
 static void tok_stream_put(const Tokenizer *t, TokStream *s, int id, FILE *f) {
-    tok_check_id(t, id);
-    size_t n = (size_t)s->n + (size_t)t->len[id];
+    size_t n = (size_t)s->n + tok_len(t, id);
     unsigned char *b = xmalloc(n);
     memcpy(b, s->held, (size_t)s->n);
-    memcpy(b + s->n, t->bytes + t->off[id], (size_t)t->len[id]);
+    if (tok_len(t, id)) memcpy(b + s->n, t->bytes + t->off[id], tok_len(t, id));
     size_t used = utf8_lossy(b, n, 0, f);
     s->n = (int)(n - used);
     memcpy(s->held, b + used, (size_t)s->n);
@@ -2071,8 +2269,9 @@ static void tok_pipeline(Tokenizer *t, const Json *root, const char *path) {
         if (!ids || ids->type != J_ARR) die("%s: post_processor names an unknown special token", path);
         for (const Json *i = ids->child; i; i = i->next) {
             int *n = after ? &t->n_post : &t->n_pre;
-            if (*n == 8 || i->type != J_NUM) die("%s: post_processor special token ids malformed", path);
-            (after ? t->post : t->pre)[(*n)++] = (int)i->num;
+            int64_t id;
+            if (*n == 8 || !json_int(i, 0, INT32_MAX, &id)) die("%s: post_processor special token ids malformed", path);
+            (after ? t->post : t->pre)[(*n)++] = (int)id;
         }
     }
     if (!after) die("%s: post_processor template has no $A sequence", path);
@@ -2094,17 +2293,20 @@ static void tok_model(Tokenizer *t, const Json *root, const char *path) {
     if (added && added->type != J_ARR) die("%s: added_tokens is not an array", path);
     t->ignore_merges = jflag(model, "ignore_merges", 0);
 
+    /* ids within the largest vocab_size nemoh takes (the tables below have one entry an id) */
+    int64_t id;
     for (const Json *v = vocab->child; v; v = v->next) {
-        if (v->type != J_NUM || v->num < 0 || v->num >= 1 << 30)
-            die("%s: vocab entry %s: bad id", path, v->key);
-        if ((int)v->num >= t->n_vocab) t->n_vocab = (int)v->num + 1;
+        if (!json_int(v, 0, WIDTH_MAX - 1, &id))
+            die("%s: vocab entry %s: id must be an integer from 0 to %d", path, v->key, WIDTH_MAX - 1);
+        if (id >= t->n_vocab) t->n_vocab = (int)id + 1;
+        if (v->klen > t->max_piece) t->max_piece = v->klen;
     }
     for (const Json *a = added ? added->child : NULL; a; a = a->next) {
-        const Json *id = json_get(a, "id"), *c = json_get(a, "content");
-        if (!id || id->type != J_NUM || id->num < 0 || id->num >= 1 << 30 || !c || c->type != J_STR ||
-            !c->len)
-            die("%s: added token without an id or content", path);
-        if ((int)id->num >= t->n_vocab) t->n_vocab = (int)id->num + 1;
+        const Json *c = json_get(a, "content");
+        if (!json_int(json_get(a, "id"), 0, WIDTH_MAX - 1, &id) || !c || c->type != J_STR || !c->len)
+            die("%s: added token without an id (an integer from 0 to %d) or content", path, WIDTH_MAX - 1);
+        if (id >= t->n_vocab) t->n_vocab = (int)id + 1;
+        if (c->len > t->max_piece) t->max_piece = c->len;
     }
     t->off = xcalloc((size_t)t->n_vocab, sizeof(int));
     t->len = xcalloc((size_t)t->n_vocab, sizeof(int));
@@ -2186,13 +2388,10 @@ static void tok_model(Tokenizer *t, const Json *root, const char *path) {
     }
 }
 
-/* Loads a Hugging Face tokenizer.json; dies naming the file on anything malformed or unsupported. */
-static Tokenizer *tok_load(const char *path) {
-    size_t n;
-    char *text = read_file(path, &n);
-    if (!text) die("%s: cannot open: %s", path, strerror(errno));
+/* A tokenizer from the text of a tokenizer.json (path: for messages); dies naming it on anything
+ * malformed or unsupported. */
+static Tokenizer *tok_parse(const char *text, size_t n, const char *path) {
     JsonDoc doc = json_parse(text, n, path);
-    free(text);
     if (doc.nodes[0].type != J_OBJ) die("%s: not a tokenizer.json (not a JSON object)", path);
     Tokenizer *t = xcalloc(1, sizeof *t);
     tok_pipeline(t, doc.nodes, path);
@@ -2201,6 +2400,16 @@ static Tokenizer *tok_load(const char *path) {
     for (int k = 0; k < t->n_pre + t->n_post; k++)
         if ((k < t->n_pre ? t->pre[k] : t->post[k - t->n_pre]) >= t->n_vocab)
             die("%s: post_processor special token id is not in the vocab", path);
+    return t;
+}
+
+/* Loads a Hugging Face tokenizer.json of at most 512 MiB (its strings, stored twice, keep int offsets). */
+static Tokenizer *tok_load(const char *path) {
+    size_t n;
+    char *text = read_text(path, &n, 1 << 29);
+    if (!text) die("%s: cannot open: %s", path, strerror(errno));
+    Tokenizer *t = tok_parse(text, n, path);
+    free(text);
     return t;
 }
 
@@ -2567,7 +2776,7 @@ static char *chat_render(const Chat *ch, int gen, const char **open, size_t *len
 static int *chat_ids(const Chat *ch, const Tokenizer *tok, int gen, const char **open, int *n) {
     size_t len;
     char *text = chat_render(ch, gen, open, &len);
-    int *ids = tok_encode(tok, text, len, n);
+    int *ids = tok_encode(tok, text, len, 0, n);
     free(text);
     *n -= tok->n_pre + tok->n_post;
     memmove(ids, ids + tok->n_pre, (size_t)*n * sizeof(int));
@@ -2576,7 +2785,7 @@ static int *chat_ids(const Chat *ch, const Tokenizer *tok, int gen, const char *
 
 /* The id of a text that is one token, else -1. */
 static int tok_single(const Tokenizer *tok, const char *s) {
-    int n, *ids = tok_encode(tok, s, strlen(s), &n), id = n == tok->n_pre + tok->n_post + 1 ? ids[tok->n_pre] : -1;
+    int n, *ids = tok_encode(tok, s, strlen(s), 0, &n), id = n == tok->n_pre + tok->n_post + 1 ? ids[tok->n_pre] : -1;
     free(ids);
     return id;
 }
@@ -2597,7 +2806,7 @@ static void chat_detect(Chat *ch, const char *dir, const Tokenizer *tok) {
     size_t n;
     char *text, *tmpl = NULL;
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    if ((text = read_file(path, &n))) {
+    if ((text = read_text(path, &n, 1 << 24))) {
         JsonDoc doc = json_parse(text, n, path);
         const Json *t = json_get(doc.nodes, "chat_template");
         if (t && t->type == J_ARR)   /* [{"name", "template"}]: the one named "default" */
@@ -2612,7 +2821,7 @@ static void chat_detect(Chat *ch, const char *dir, const Tokenizer *tok) {
     if (tmpl) snprintf(ch->where, sizeof ch->where, "%s", path);
     else {
         snprintf(ch->where, sizeof ch->where, "%s/chat_template.jinja", dir);
-        tmpl = read_file(ch->where, &n);
+        tmpl = read_text(ch->where, &n, 1 << 24);
     }
     if (!tmpl)
         die("--chat: %s has no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja): "
@@ -2643,8 +2852,8 @@ static void chat_detect(Chat *ch, const char *dir, const Tokenizer *tok) {
 /* A conversation file: a JSON array of {"role": "system" | "user" | "assistant", "content": text}. */
 static void chat_load(Chat *ch, const char *path) {
     size_t n;
-    char *text = read_file(path, &n);
-    if (!text) die("-f %s: cannot open", path);
+    char *text = read_text(path, &n, 1 << 28);
+    if (!text) die("-f %s: cannot open: %s", path, strerror(errno));
     JsonDoc doc = json_parse(text, n, path);
     free(text);
     if (doc.nodes->type != J_ARR) die("-f %s: a conversation is a JSON array of messages", path);
@@ -2830,7 +3039,14 @@ typedef struct {
 typedef struct {
     double prefill_s, decode_s; /* wall time of the prompt's forwards, of the generated tokens' */
     int made;                   /* tokens generated */
+    int full;                   /* 1: stopped because the context was full */
 } GenStats;
+
+/* Flushes stdout and dies if any write to it failed (a full disk, a closed stdout, a broken pipe
+ * with SIGPIPE ignored; with SIGPIPE as it comes, a broken pipe ends nemoh by the signal). */
+static void check_stdout(void) {
+    if (fflush(stdout) != 0 || ferror(stdout)) die("stdout: write failed: %s", strerror(errno));
+}
 
 static int is_eos(const Config *c, int id) {
     for (int i = 0; i < c->n_eos; i++) if (c->eos[i] == id) return 1;
@@ -2845,7 +3061,7 @@ static void dump_rows(Engine *e, FILE *f, int rows) {
 /* Prefill the prompt (in chunks of t_max), then sample, print and feed back one token at a time. */
 static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOpts *o) {
     int t_max = e->rank[0].t_max, ctx = e->rank[0].ctx, pos = 0;
-    GenStats st = {0, 0, 0};
+    GenStats st = {0, 0, 0, 0};
     TokStream ts = {0};
     double t0 = now_s();
     while (pos < n_prompt) {
@@ -2859,18 +3075,20 @@ static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOp
         if (i == 0) st.prefill_s = now_s() - t0;  /* includes the first token's sampling */
         int eos = is_eos(&e->c, next);
         if (!o->quiet && o->tok && !eos) tok_stream_put(o->tok, &ts, next, stdout);  /* flushes whole characters */
-        if (!o->quiet && !o->tok) {
-            printf("%s%d", st.made ? " " : "", next);
-            fflush(stdout);
-        }
+        if (!o->quiet && !o->tok) printf("%s%d", st.made ? " " : "", next);
+        if (!o->quiet) check_stdout();
         st.made++;
+        st.full = !eos && i < o->n - 1 && pos == ctx;
         if (eos || i == o->n - 1 || pos == ctx) break;
         for (int k = 0; k < e->n; k++) e->rank[k].trace = o->trace && i == 0;
         engine_forward(e, &next, 1, pos++, 0);
         if (o->dump) dump_rows(e, o->dump, 1);
     }
     if (!o->quiet && o->tok) tok_stream_end(o->tok, &ts, stdout);
-    if (!o->quiet) printf("\n");
+    if (!o->quiet) {
+        printf("\n");
+        check_stdout();
+    }
     if (!st.made) st.prefill_s = now_s() - t0;
     st.decode_s = now_s() - t0 - st.prefill_s;
     return st;
@@ -3049,6 +3267,7 @@ int main(int argc, char **argv) {
     const char *system = NULL;
     Chat ch = {.think = -1};
     GenOpts o = {256, 0.8f, 0.95f, 0, NULL, 0, 0, NULL};
+    if (fcntl(STDOUT_FILENO, F_GETFD) < 0) die("stdout is closed");   /* else a file opened later would take its place */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         int more = i + 1 < argc;
@@ -3107,6 +3326,15 @@ int main(int argc, char **argv) {
     if (!chat && (system || ch.think >= 0 || hide_think)) die("--system, --think, --no-think and --hide-think need --chat");
     if (chat && (ids_arg || preset || do_bench)) die("--chat: takes a model directory and a text prompt (not --ids, --random or --bench)");
 
+    /* the config first: the model directory is checked before any file in it is named, and the
+       context bounds the prompt (--encode needs no model, only its directory's tokenizer.json) */
+    double t0 = now_s();
+    Engine e = {0};
+    if (preset) preset_config(&e.c, find_preset(preset));
+    else if (!encode) config_load(&e.c, dir);
+    else if (!tok_path) model_dir(dir);
+    if (ctx == 0) ctx = e.c.ctx;
+
     /* the tokenizer: --tokenizer FILE, else the model directory's tokenizer.json when there is one */
     char tpath[4096];
     int need_tok = encode || ((prompt || prompt_file || !ids_arg) && !do_bench);
@@ -3131,15 +3359,21 @@ int main(int argc, char **argv) {
     } else if (ids_arg) {
         tokens = parse_ids(ids_arg, &n_prompt);
     } else if (!do_bench) {
+        /* text longer than ctx times the longest token has more than ctx tokens: refused unread
+           (-f reads until EOF: pipes, FIFOs, /proc files), and encoding stops past the context */
+        size_t cap = encode ? (size_t)1 << 30 : (size_t)ctx * (size_t)tok->max_piece;
         size_t len = prompt ? strlen(prompt) : 0;
-        file_text = prompt_file ? read_file(prompt_file, &len) : NULL;
-        if (prompt_file && !file_text) die("-f %s: cannot open", prompt_file);
+        file_text = prompt_file ? read_file(prompt_file, &len, cap) : NULL;
+        if (prompt_file && !file_text) die("-f %s: cannot open: %s", prompt_file, strerror(errno));
+        if (len > cap && encode) die("-f %s: larger than %zu bytes", prompt_file, cap);
+        if (len > cap) die("the prompt is more than the context of %d tokens (-c)", ctx);
         prompt_text = file_text ? file_text : prompt ? prompt : "";
-        tokens = tok_encode(tok, prompt_text, len, &n_prompt);
+        tokens = tok_encode(tok, prompt_text, len, encode ? 0 : (size_t)ctx, &n_prompt);
     }
     if (encode) {
         for (int i = 0; i < n_prompt; i++) printf("%s%d", i ? " " : "", tokens[i]);
         printf("\n");
+        check_stdout();
         free(tokens);
         free(file_text);
         chat_free(&ch);
@@ -3153,28 +3387,23 @@ int main(int argc, char **argv) {
 #ifdef NEMOH_CUDA
     if (gpus) be = &cuda_backend;
 #endif
-    double t0 = now_s();
-    Engine e = {0};
-    Checkpoint ck;
-    int n_mtp = 0;
-    if (preset) preset_config(&e.c, find_preset(preset));
-    else config_load(&e.c, dir);
     if (has_kind(&e.c, 'E') && !be->moe)
         die("%s: the %s backend does not run mixture-of-experts layers yet; run it with --cpu", preset ? preset : dir, be->name);
+    Checkpoint ck;
+    int n_mtp = 0;
     if (preset) {
         build_random_checkpoint(&ck, &e.c, 1234, gpus == 0);
     } else {
         build_checkpoint(&ck, dir);
         n_mtp = st_check_extra(&ck, &e.c);
     }
-    if (ctx == 0) ctx = e.c.ctx;
     check_tp(&e.c, tp);
     if (tok && tok_vocab_size(tok) > e.c.vocab)
         die("%s: %d tokens, more than the model's vocab_size %d", tok_path, tok_vocab_size(tok), e.c.vocab);
     if (!do_bench && !chat && n_prompt == 0) die("the prompt is empty (and the tokenizer adds no BOS)");
     for (int i = 0; i < n_prompt; i++)
         if (tokens[i] >= e.c.vocab) die("--ids: token id %d is outside the vocabulary (vocab_size %d)", tokens[i], e.c.vocab);
-    if (n_prompt > ctx) die("the prompt has %d tokens, more than the context of %d (-c)", n_prompt, ctx);
+    if (n_prompt > ctx) die("the prompt is more than the context of %d tokens (-c)", ctx);
     if (dump_path && !(o.dump = fopen(dump_path, "wb"))) die("--dump-logits %s: cannot open for writing", dump_path);
 
     int t_max = chunk ? chunk : gpus ? 2048 : 128;
@@ -3202,7 +3431,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "nemoh: prefill %d tokens in %.3f s (%.1f tok/s); decode %d tokens in %.3f s (%.1f tok/s)\n",
                 n_prompt, st.prefill_s, n_prompt / st.prefill_s, st.made, st.decode_s,
                 st.made > 1 ? (st.made - 1) / st.decode_s : 0.0);
+        if (st.full) fprintf(stderr, "nemoh: stopped at the end of the context (%d tokens; -c sets it)\n", ctx);
     }
+    check_stdout();
     if (o.dump && fclose(o.dump) != 0) die("--dump-logits %s: write failed", dump_path);
     free_engine(&e);
     free_checkpoint(&ck);

@@ -1663,10 +1663,13 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int span = (V + 31) / 32, w0 = min(V, warp * span), w1 = min(V, w0 + span);   /* this warp's range */
     float best = -INFINITY;
-    int bi = V;
-    for (int i = tid; i < V; i += 1024) if (l[i] > best) { best = l[i]; bi = i; }
+    int bi = V, bad = 0;
+    for (int i = tid; i < V; i += 1024) {
+        bad |= !isfinite(l[i]);
+        if (l[i] > best) { best = l[i]; bi = i; }
+    }
     sv[tid] = best; si[tid] = bi;
-    __syncthreads();
+    if (__syncthreads_or(bad)) { if (tid == 0) *out = -1; return; }   /* a NaN or Inf logit: -1, the host stops */
     for (int o = 512; o; o >>= 1) {
         if (tid < o && (sv[tid + o] > sv[tid] || (sv[tid + o] == sv[tid] && si[tid + o] < si[tid]))) {
             sv[tid] = sv[tid + o]; si[tid] = si[tid + o];

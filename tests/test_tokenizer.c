@@ -90,7 +90,7 @@ int main(int argc, char **argv) {
     const char *name = argv[1];
     Tokenizer *t = tok_load(argv[2]);
     size_t flen;
-    char *text = read_file(argv[3], &flen);
+    char *text = read_text(argv[3], &flen, 1 << 29);
     if (!text) die("%s: cannot open", argv[3]);
     JsonDoc doc = json_parse(text, flen, argv[3]);
     const Json *enc = json_get(doc.nodes, "encode"), *dec = json_get(doc.nodes, "decode");
@@ -105,7 +105,7 @@ int main(int argc, char **argv) {
             in[k] = (char)(hexval(hex->str[2 * k]) << 4 | hexval(hex->str[2 * k + 1]));
         const char *shown = hex ? hex->str : txt->str;
         int nw, n, k = 0, ok = hex ? 1 : check_split(name, i, t, txt, json_get(c, "pieces"));
-        int *w = json_ids(json_get(c, "ids"), &nw), *ids = tok_encode(t, in, len, &n);
+        int *w = json_ids(json_get(c, "ids"), &nw), *ids = tok_encode(t, in, len, 0, &n);
         while (k < n && k < nw && ids[k] == w[k]) k++;
         if (k < n || k < nw) {
             char msg[160];
