@@ -47,3 +47,10 @@ clean:
 	rm -f nemoh *.o tests/test_kernels
 
 .PHONY: test clean
+
+# the libFuzzer harnesses of tests/fuzz (clang), all five at once for FUZZ_SECONDS each
+FUZZ_SECONDS ?= 60
+fuzz:
+	tests/fuzz/run.sh $(FUZZ_SECONDS)
+
+.PHONY: fuzz

@@ -107,15 +107,22 @@ refuse() {
     if [ $rc -eq 1 ] && [ "$(printf '%s\n' "$err" | wc -l)" -eq 1 ] && [[ "$err" == *"$expect"* ]]; then pass "$name"
     else fail "$name" "exit $rc, expected 1 and one line containing \"$expect\":"$'\n'"$err"; fi
 }
+# refuse_run NAME EXPECT CMD...: the same for an error while generating, after the "loaded" line
+refuse_run() {
+    local name=$1 expect=$2; shift 2
+    refuse "$name" "$expect" bash -c '"$@" 2>&1 >/dev/null | grep -v "^nemoh: loaded " >&2; exit ${PIPESTATUS[0]}' bash "$@"
+}
 for bin in ./nemoh "$ASAN"; do
     tag=$([ "$bin" = ./nemoh ] && echo cpu || echo asan)
     for set in bad bad-moe; do
         check "$tag $set input: the unmodified control model loads" "$bin" -m "$T/$set/good" --ids "1 2" -n 1
         for d in "$T/$set"/*; do
             [[ $(basename "$d") == good* ]] && continue
-            refuse "$tag bad input: $(basename "$d")" "$(cat "$d/expect")" "$bin" -m "$d" --ids "1 2" -n 1
+            how=refuse && [ -e "$d/at-run" ] && how=refuse_run
+            $how "$tag bad input: $(basename "$d")" "$(cat "$d/expect")" "$bin" -m "$d" --ids "1 2" -n 1
         done
     done
+    check "$tag: 100000 empty tensors (an index naming them all) load within 20 s" timeout 20 "$bin" -m "$T/bad/good-many-empty" --ids "1 2" -n 1
     refuse "$tag bad input: missing model directory" "no such model directory" "$bin" -m "$T/nonexistent" --ids 1
     refuse "$tag bad input: token id >= vocab" "outside the vocabulary" "$bin" -m tests/fixtures/tiny-bf16 --ids "5 1200"
     refuse "$tag bad input: prompt longer than the context" "more than the context" "$bin" -m tests/fixtures/tiny-bf16 --ids "1 2 3 4 5" -c 4
@@ -229,6 +236,68 @@ refuse "chat bad input: --think without --chat" "need --chat" ./nemoh -m $C/chat
 refuse "chat bad input: a tokenizer without the format's special tokens" "not have as one token" \
     ./nemoh -m $C/nano-v2 --tokenizer tests/fixtures/tokenizer/gpt2/tokenizer.json --chat --encode "hi"
 
+# ---- hostile input: streams, stdout, signals, the context, padded vocabularies (README: Reliability) ----
+d=tests/fixtures/tiny-bf16
+cat /proc/version > "$T/version"
+want=$(./nemoh -m weights --encode -f "$T/version" 2>&1)
+same "-f /proc/version: read to its end like a regular file" "$(./nemoh -m weights --encode -f /proc/version 2>&1)" "$want"
+same "-f /dev/stdin: a pipe read to its end" "$(cat "$T/version" | ./nemoh -m weights --encode -f /dev/stdin 2>&1)" "$want"
+mkfifo "$T/fifo" && { cat "$T/version" > "$T/fifo" & }
+same "-f FIFO: read to its end" "$(./nemoh -m weights --encode -f "$T/fifo" 2>&1)" "$want"
+refuse "bad input: -f a directory" "$T: is a directory" ./nemoh -f "$T"
+refuse "bad input: --tokenizer a directory" "$T: is a directory" ./nemoh --tokenizer "$T" --encode hi
+refuse "bad input: -f /dev/zero (endless) stops at the context's worth of text" "more than the context" timeout 20 ./nemoh -f /dev/zero
+yes "Once upon a time there was a tokenizer." | head -c 100000000 > "$T/big.txt"
+refuse "bad input: a 100 MB -f prompt is refused within 5 s, unencoded" "more than the context" timeout 5 ./nemoh -f "$T/big.txt"
+refuse "bad input: a text prompt past -c stops encoding" "more than the context" ./nemoh "Once upon a time there was a little girl" -c 4
+rm -f "$T/big.txt"
+refuse "bad input: -m naming a file, text prompt" "config.json: not a directory" ./nemoh -m weights/config.json "hello"
+refuse "bad input: -m naming no directory, text prompt" "$T/none: no such model directory" ./nemoh -m "$T/none" "hello"
+refuse "bad input: -m naming no directory, --encode" "$T/none: no such model directory" ./nemoh -m "$T/none" --encode "hello"
+refuse "bad input: an error line escapes control characters it echoes" '-f x\x0Anemoh: ok\x1B[2J: cannot open' ./nemoh -f $'x\nnemoh: ok\e[2J'
+out=$(./nemoh --cpu -m $d --ids "1 2" -n 100 -c 8 -t 0 2>&1 >/dev/null); rc=$?
+[ $rc -eq 0 ] && grep -q "stopped at the end of the context (8 tokens" <<< "$out" && pass "generation that fills the context says so" \
+    || fail "generation that fills the context says so" "exit $rc: $out"
+
+# stdout: a full disk, a closed stdout, a broken pipe (SIGPIPE ignored: one line; as it comes: the signal)
+# refuse_out NAME EXPECT STDOUT CMD...: refuse_run with CMD's stdout sent to the file STDOUT ("-": closed)
+refuse_out() {
+    local name=$1 expect=$2 out=$3; shift 3
+    refuse "$name" "$expect" bash -c 'o=$1; shift; if [ "$o" = - ]; then "$@" 2>&1 >&-; else "$@" 2>&1 >"$o"; fi |
+        grep -v "^nemoh: loaded " >&2; exit ${PIPESTATUS[0]}' bash "$out" "$@"
+}
+refuse_out "bad input: stdout on a full disk (/dev/full)" "stdout: write failed: No space left on device" /dev/full ./nemoh --cpu -m $d --ids "1 2" -n 5
+refuse_out "bad input: stdout closed" "stdout is closed" - ./nemoh --cpu -m $d --ids "1 2" -n 5
+{ sleep 0.5; trap '' PIPE; ./nemoh --cpu -m $d --ids "1 2" -n 1000 -c 2000 -t 1 -s 1 2>"$T/pipe.err"; echo $? > "$T/pipe.rc"; } | true
+err=$(grep -v '^nemoh: loaded ' "$T/pipe.err")
+[ "$(cat "$T/pipe.rc")" = 1 ] && [ "$err" = "nemoh: stdout: write failed: Broken pipe" ] && pass "bad input: a broken pipe with SIGPIPE ignored ends generation with one line" \
+    || fail "bad input: a broken pipe with SIGPIPE ignored ends generation with one line" "exit $(cat "$T/pipe.rc"): $err"
+{ sleep 0.5; ./nemoh --cpu -m $d --ids "1 2" -n 1000 -c 2000 -t 1 -s 1 2>/dev/null; echo $? > "$T/pipe.rc"; } | true
+same "a broken pipe with SIGPIPE as it comes ends nemoh by the signal (exit 141)" "$(cat "$T/pipe.rc")" 141
+
+# the checkpoint truncated while nemoh runs: nemoh waits on a FIFO (--dump-logits) after mapping it
+mkdir -p "$T/sigbus" && cp $d/config.json $d/model.safetensors "$T/sigbus/" && mkfifo "$T/sigbus.fifo"
+./nemoh --cpu -m "$T/sigbus" --ids "1 2" -n 1 --dump-logits "$T/sigbus.fifo" >/dev/null 2>"$T/sigbus.err" & pid=$!
+for i in $(seq 200); do grep -q sigbus/model.safetensors /proc/$pid/maps 2>/dev/null && break; sleep 0.05; done
+truncate -s 4096 "$T/sigbus/model.safetensors"
+cat "$T/sigbus.fifo" > /dev/null &
+wait $pid; rc=$?
+err=$(cat "$T/sigbus.err")
+[ $rc -eq 1 ] && [ "$err" = "nemoh: $T/sigbus/model.safetensors: cannot read: the file was truncated or replaced while nemoh ran" ] \
+    && pass "bad input: the checkpoint truncated while mapped: one line naming it, exit 1" \
+    || fail "bad input: the checkpoint truncated while mapped: one line naming it, exit 1" "exit $rc: $err"
+
+# a tokenizer smaller than the model's vocabulary: ids past it decode to nothing, as in HF
+mkdir -p "$T/padded" && cp $d/config.json $d/model.safetensors "$T/padded/" && cp tests/fuzz/bytes.tokenizer.json "$T/padded/tokenizer.json"
+ids=$(./nemoh --cpu -m "$T/padded" --ids "1 2" -n 200 -t 1 -s 5 --print-ids 2>/dev/null)
+./nemoh --cpu -m "$T/padded" --ids "1 2" -n 200 -t 1 -s 5 > "$T/padded.out" 2>"$T/padded.err"; rc=$?
+kept=$(tr ' ' '\n' <<< "$ids" | awk '$1 < 256' | sed '${/^2$/d}' | tr '\n' ' ')
+./nemoh --cpu -m "$T/padded" --ids "1 2 $kept" -n 0 > "$T/padded.want" 2>/dev/null
+npad=$(tr ' ' '\n' <<< "$ids" | awk '$1 >= 256' | wc -l)
+[ $rc -eq 0 ] && [ "$npad" -gt 0 ] && cmp -s "$T/padded.out" "$T/padded.want" \
+    && pass "tokenizer of 256 ids, model of 1200: $npad sampled ids past the tokenizer decode to nothing" \
+    || fail "tokenizer of 256 ids, model of 1200: sampled ids past the tokenizer decode to nothing" "exit $rc, $npad padding ids: $(cat "$T/padded.err")"
+
 # ---- the default model: `./nemoh "Once upon a time"` prints English ----
 out=$(./nemoh "Once upon a time" -n 40 -s 3 2>/dev/null)
 words=$(printf '%s' "$out" | wc -w)
@@ -247,6 +316,19 @@ nm=$(grep -c '^layer .* moe .*fused all-reduce' <<< "$tr")
 [ "$got" = "moe mlp mamba attn moe mamba moe " ] && [ "$nm" -eq 2 ] && grep -q '^final .*plain all-reduce' <<< "$tr" \
     && pass "--trace on an MoE model: every layer's kind, moe partial sums reduced at the next entry" \
     || fail "--trace on an MoE model: every layer's kind, moe partial sums reduced at the next entry" "$tr"
+
+# ---- fuzzing: the five libFuzzer harnesses of tests/fuzz, 20 s each, at once (make fuzz runs longer) ----
+out=$(tests/fuzz/run.sh 20 2>&1)
+if grep -q '^skipped:' <<< "$out"; then grep '^skipped:' <<< "$out"
+else
+    while IFS= read -r line; do
+        case $line in
+        "fuzz "*) pass "$line (ASan + UBSan + LeakSanitizer)" ;;
+        "FAIL "*) fail "${line#FAIL }" "$(grep -A5 -F -- "$line" <<< "$out" | grep '^        ')" ;;
+        esac
+    done <<< "$out"
+    grep -qE '^(fuzz|FAIL) ' <<< "$out" || fail "fuzzing: tests/fuzz/run.sh" "$(tail -20 <<< "$out")"
+fi
 
 # ---- GPU: kernels one by one, the fixtures end to end, graphs, prefill vs steps, the fused all-reduce ----
 if ! nvidia-smi -L >/dev/null 2>&1; then

@@ -1,13 +1,16 @@
 /* make_bad: writes broken variants of a good single-file checkpoint, one directory per case, for the
  * bad-input tests in test.sh. Each directory gets a file `expect` holding a phrase nemoh's one-line
- * error must contain. Every case differs from the good model in one thing only. A good model with
+ * error must contain (and a file `at-run` when the error comes while generating, after nemoh's
+ * "loaded" line). Every case differs from the good model in one thing only. A good model with
  * mixture-of-experts layers (n_routed_experts in its config) gets the MoE cases instead.
  *   make_bad GOOD_DIR OUT_DIR        (GOOD_DIR: config.json + model.safetensors) */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 static char *slurp(const char *path, size_t *n) {
     FILE *f = fopen(path, "rb");
@@ -44,7 +47,8 @@ static size_t data_len;
 
 /* One case: a directory with a config, a safetensors file [u64 hlen][header][data] cut to `keep`
  * bytes (0: whole), and the phrase the error must contain. hdr == NULL: no safetensors file. */
-static void emit(const char *name, const char *expect, const char *config, const char *hdr, uint64_t hlen_field, size_t keep) {
+static void emit_data(const char *name, const char *expect, const char *config, const char *hdr, uint64_t hlen_field,
+                      size_t keep, const char *data) {
     char dir[4096];
     snprintf(dir, sizeof dir, "%s/%s", out_root, name);
     mkdir(dir, 0755);
@@ -60,6 +64,44 @@ static void emit(const char *name, const char *expect, const char *config, const
     memcpy(file + 8 + hl, data, data_len);
     spit(dir, "model.safetensors", file, keep ? keep : total);
     free(file);
+}
+
+static void emit(const char *name, const char *expect, const char *config, const char *hdr, uint64_t hlen_field, size_t keep) {
+    emit_data(name, expect, config, hdr, hlen_field, keep, data);
+}
+
+/* The good model with element i of tensor `tensor` set to the float f (stored in its dtype). */
+static void emit_value(const char *name, const char *expect, const char *tensor, size_t i, float f) {
+    char key[256];
+    snprintf(key, sizeof key, "\"%s\":", tensor);
+    const char *at = strstr(header, key), *dt = at ? strstr(at, "\"dtype\":\"") : NULL, *off = at ? strstr(at, "\"data_offsets\":[") : NULL;
+    if (!at || !dt || !off) { fprintf(stderr, "make_bad: no tensor %s\n", tensor); exit(2); }
+    unsigned long long b = strtoull(off + 16, NULL, 10);
+    char *d = malloc(data_len);
+    memcpy(d, data, data_len);
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (!strncmp(dt + 9, "F32", 3)) memcpy(d + b + 4 * i, &f, 4);
+    else { uint16_t h = (uint16_t)(u >> 16); memcpy(d + b + 2 * i, &h, 2); }   /* BF16: NaN and Inf keep their kind */
+    emit_data(name, expect, good_config, header, 0, 0, d);
+    free(d);
+    snprintf(key, sizeof key, "%s/%s", out_root, name);
+    spit(key, "at-run", "", 0);   /* refused while generating: after the "loaded" line */
+}
+
+/* A file in a case's directory that is a link to `target` (/dev/zero: endless; ".": a directory). */
+static void link_file(const char *name, const char *file, const char *target) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s/%s", out_root, name, file);
+    unlink(path);
+    if (symlink(target, path) != 0) { fprintf(stderr, "make_bad: %s: symlink failed\n", path); exit(2); }
+}
+
+/* The good header with `extra` entries added before its first one. */
+static char *with_entries(const char *extra) {
+    char *h = malloc(strlen(header) + strlen(extra) + 1);
+    sprintf(h, "{%s%s", extra, header + 1);
+    return h;
 }
 
 /* The integer value of `"key": N` in the good config. */
@@ -181,5 +223,68 @@ int main(int argc, char **argv) {
     snprintf(from, sizeof from, "\"data_offsets\":[%llu,%llu]", b1, e1);
     snprintf(to, sizeof to, "\"data_offsets\":[%llu,%llu]", b0, b0 + (e1 - b1));
     emit("overlap", "overlap", good_config, replace(header, from, to), 0, 0);
+
+    /* config values that are not what they claim: sizes whose products wrap an int, ids and
+     * booleans of the wrong type or out of range, numbers JSON does not have */
+    emit("head-dim-wrap", "more than nemoh's limit", replace(good_config, "\"attention_head_dim\": 20", "\"attention_head_dim\": 536870913"), header, 0, 0);
+    emit("mamba-size-wrap", "more than nemoh's limit", replace(replace(good_config, "\"mamba_num_heads\": 6", "\"mamba_num_heads\": 65536"),
+                                                              "\"mamba_head_dim\": 10", "\"mamba_head_dim\": 65536"), header, 0, 0);
+    emit("eos-1e122", "eos_token_id must be a token id", replace(good_config, "\"eos_token_id\": 2", "\"eos_token_id\": 1e122"), header, 0, 0);
+    emit("eos-1e309", "eos_token_id must be a token id", replace(good_config, "\"eos_token_id\": 2", "\"eos_token_id\": 1e309"), header, 0, 0);
+    emit("eos-fraction", "eos_token_id must be a token id", replace(good_config, "\"eos_token_id\": 2", "\"eos_token_id\": 2.9"), header, 0, 0);
+    emit("eos-string", "eos_token_id must be a token id", replace(good_config, "\"eos_token_id\": 2", "\"eos_token_id\": \"2\""), header, 0, 0);
+    emit("eos-negative-in-list", "eos_token_id must be a token id", replace(good_config, "\"eos_token_id\": 2", "\"eos_token_id\": [2, -1]"), header, 0, 0);
+    emit("conv-bias-string", "use_conv_bias must be true or false", replace(good_config, "\"use_conv_bias\": true", "\"use_conv_bias\": \"true\""), header, 0, 0);
+    emit("bias-string", "attention_bias must be true or false", replace(good_config, "\"attention_bias\": false", "\"attention_bias\": \"false\""), header, 0, 0);
+    emit("hex-number", "malformed JSON", replace(good_config, "\"hidden_size\": 80", "\"hidden_size\": 0x50"), header, 0, 0);
+    emit("minus-nan", "malformed JSON", replace(good_config, "\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": -nan"), header, 0, 0);
+    emit("minus-inf", "malformed JSON", replace(good_config, "\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": -inf"), header, 0, 0);
+    emit("eps-underflow", "norm epsilon must be a number", replace(good_config, "\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": 1e-50"), header, 0, 0);
+    emit("config-endless", "config.json: larger than", NULL, header, 0, 0);
+    link_file("config-endless", "config.json", "/dev/zero");
+    emit("config-directory", "config.json: is a directory", NULL, header, 0, 0);
+    link_file("config-directory", "config.json", ".");
+    emit("index-endless", "model.safetensors.index.json: larger than", good_config, header, 0, 0);
+    link_file("index-endless", "model.safetensors.index.json", "/dev/zero");
+
+    /* the header: a value count that would cost gigabytes, a forged line in a tensor name, a
+     * name given twice, a header length past the format's limit */
+    size_t nz = 4300000;
+    char *zeros = malloc(2 * nz + 64), *z = zeros + sprintf(zeros, "\"__metadata__\":{\"x\":[");
+    for (size_t i = 0; i < nz; i++) *z++ = '0', *z++ = ',';
+    strcpy(z - 1, "]},");
+    emit("many-values", "more than 4194304 values", good_config, with_entries(zeros), 0, 0);
+    free(zeros);
+    emit("forged-line", "has dtype F8_E4M3", good_config,
+         with_entries("\"evil\\nnemoh: all good, loaded\\u001b[2J\":{\"dtype\":\"F8_E4M3\",\"shape\":[0],\"data_offsets\":[0,0]},"), 0, 0);
+    emit("duplicate-name", "appears twice", good_config,
+         with_entries("\"backbone.norm_f.weight\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]},"), 0, 0);
+    emit("header-over-100mb", "more than the format's 100 MB", good_config, header, 150000000, 0);
+    snprintf(path, sizeof path, "%s/header-over-100mb/model.safetensors", out_root);
+    if (truncate(path, 8 + 150000000 + 16) != 0) { fprintf(stderr, "make_bad: truncate failed\n"); exit(2); }
+
+    /* accepted: 100000 empty tensors at offset [0, 0] besides the model's, all named in an index */
+    size_t ne = 100000;
+    char *many = malloc(ne * 80), *m = many, *idx = malloc(ne * 60 + strlen(header) * 2), *x = idx;
+    x += sprintf(x, "{\"weight_map\":{");
+    for (size_t i = 0; i < ne; i++) {
+        m += sprintf(m, "\"empty.%zu\":{\"dtype\":\"F32\",\"shape\":[0,%zu],\"data_offsets\":[0,0]},", i, i);
+        x += sprintf(x, "\"empty.%zu\":\"model.safetensors\",", i);
+    }
+    for (const char *k = strstr(header, "\"backbone."); k; k = strstr(k + 1, "\"backbone."))
+        if (k[-1] == '{' || k[-1] == ',') x += sprintf(x, "%.*s\"model.safetensors\",", (int)(strchr(k + 1, '"') - k + 2), k);
+    for (const char *k = strstr(header, "\"lm_head."); k; k = NULL) x += sprintf(x, "%.*s\"model.safetensors\",", (int)(strchr(k + 1, '"') - k + 2), k);
+    strcpy(x - 1, "}}");
+    emit("good-many-empty", "", good_config, with_entries(many), 0, 0);
+    snprintf(path, sizeof path, "%s/good-many-empty", out_root);
+    spit(path, "model.safetensors.index.json", idx, strlen(idx));
+    free(many);
+    free(idx);
+
+    /* weights that are not finite: generation stops naming where they first show */
+    emit_value("nan-layer-1", "layer 1 (mamba) is the first whose output is not finite", "backbone.layers.1.mixer.out_proj.weight", 0, NAN);
+    emit_value("inf-layer-4", "layer 4 (attention) is the first whose output is not finite", "backbone.layers.4.mixer.o_proj.weight", 3, INFINITY);
+    emit_value("inf-embedding", "the embedding of a prompt token is not finite", "backbone.embeddings.weight", 80 + 7, -INFINITY);
+    emit_value("nan-lm-head", "the final norm or lm_head", "lm_head.weight", 80 * 5, NAN);
     return 0;
 }

@@ -66,6 +66,14 @@ refuse merge-form "$G" 's/"Ġ t"/"Ġ t x"/' 'merge 1 is not two tokens'
 refuse merge-vocab "$G" 's/"Ġ a"/"Ġ ≠"/' 'merge 2 (Ġ ≠) has a token not in the vocab'
 refuse byte-missing "$G" 's/"Ā":188,//' 'vocab has no token for byte 0x00'
 refuse malformed "$G" 's/"vocab":{/"vocab":{{/' 'malformed JSON at byte'
+refuse vocab-nan "$G" 's/"Ā":188/"Ā":NaN/' 'vocab entry Ā: id must be an integer'
+refuse vocab-1e400 "$G" 's/"Ā":188/"Ā":1e400/' 'vocab entry Ā: id must be an integer'
+refuse vocab-hex "$G" 's/"Ā":188/"Ā":0xBC/' 'malformed JSON at byte'
+refuse vocab-minus-inf "$G" 's/"Ā":188/"Ā":-inf/' 'malformed JSON at byte'
+refuse post-negative "$E" 's/"ids":\[3259\]/"ids":[-1000000]/' 'post_processor special token ids malformed'
+refuse post-past-vocab "$E" 's/"ids":\[3259\]/"ids":[1000000]/' 'post_processor special token id is not in the vocab'
+refuse added-not-utf8 "$E" 's/"content":"<bos>"/"content":"\xC3<bos>"/' 'invalid UTF-8 in string'
+refuse vocab-not-utf8 "$G" 's/"Ā":188/"\xE9":188/' 'invalid UTF-8 in string'
 
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]
