@@ -866,7 +866,7 @@ static int sample_logits(const float *l, int V, float temp, float topp, uint64_t
 
 typedef enum { J_NULL, J_BOOL, J_NUM, J_STR, J_ARR, J_OBJ } JType;
 
-/* A document may hold at most 1 GiB of text (so every length fits an int) and 4M values (64 bytes
+/* A document may hold at most 1 GiB of text (so every length fits an int) and 4M values (72 bytes
  * each: a flat array cannot make a small file cost gigabytes). The largest tokenizer.json nemoh
  * reads, Tekken's, has 0.95M. */
 enum { JSON_MAX_BYTES = 1 << 30, JSON_MAX_NODES = 1 << 22 };
@@ -1285,7 +1285,7 @@ static void config_parse(Config *c, const char *text, size_t len, const char *pa
     c->hidden = cfg_int(root, path, "hidden_size", 1, 0);
     const Json *eps = json_get(root, "rms_norm_eps");
     if (!eps) eps = json_get(root, "layer_norm_epsilon");
-    if (eps && (eps->type != J_NUM || !(eps->num < 1 && (float)eps->num >= FLT_MIN)))
+    if (eps && (eps->type != J_NUM || !(eps->num >= FLT_MIN && eps->num < 1)))   /* 0 as a float below */
         die("%s: the norm epsilon must be a number from %g (a normal float) to 1", path, FLT_MIN);
     c->eps = eps ? (float)eps->num : 1e-5f;  /* transformers' default */
     c->ctx = cfg_int(root, path, "max_position_embeddings", 0, 4096);
@@ -1456,16 +1456,18 @@ static void st_parse(Checkpoint *ck, const char *path, const char *file, size_t 
     json_free(&doc);
 }
 
-/* A read from a mapped file that was truncated while nemoh ran raises SIGBUS: say which file. */
+/* A read from a mapped file that was truncated while nemoh ran raises SIGBUS: say which file (any
+ * other bus error is left to the default action, once the handler returns). */
 static const Checkpoint *mapped_ck;
 static void on_sigbus(int sig, siginfo_t *si, void *ctx) {
-    (void)sig, (void)ctx;
-    const char *path = "a mapped checkpoint file";
+    (void)ctx;
+    const char *path = NULL;
     for (int i = 0; mapped_ck && i < mapped_ck->n_files; i++) {
         const MappedFile *f = &mapped_ck->file[i];
         if ((const char *)si->si_addr >= (const char *)f->map && (const char *)si->si_addr < (const char *)f->map + f->size)
             path = f->path;
     }
+    if (!path) { signal(sig, SIG_DFL); return; }
     static const char pre[] = "nemoh: ", post[] = ": cannot read: the file was truncated or replaced while nemoh ran\n";
     char name[1024];
     size_t n = escape_text(name, sizeof name, path, strlen(path));

@@ -17,8 +17,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    static char file[8 + 4096 + DATA];
-    if (size > 4096) return 0;
+    static char file[8 + 16384 + DATA];
+    if (size > 16384) return 0;
     uint64_t hlen = size;
     memcpy(file, &hlen, 8);
     memcpy(file + 8, data, size);

@@ -2,7 +2,8 @@
 # Builds the libFuzzer harnesses of tests/fuzz (clang -fsanitize=fuzzer,address,undefined), seeds
 # their corpora from the fixtures, and runs all five at once, each for SECONDS, under nice -n 19.
 # A crash, a sanitizer report, a leak, a hang (-timeout) or a failed property ends a harness
-# early; its input is kept under build/fuzz/. One line a harness:
+# early; its input is kept under build/fuzz/ (FUZZ_OUT), with each harness's log and corpus.
+# One line a harness:
 #   fuzz NAME: clean for S s, N executions, cov C, ft F, corpus K inputs
 # then "N passed, M failed"; "skipped: <reason>" (exit 0) where clang with libFuzzer is missing.
 #   tests/fuzz/run.sh SECONDS
@@ -10,7 +11,7 @@ set -u
 cd "$(dirname "$0")/../.."
 SECONDS_EACH=${1:?usage: tests/fuzz/run.sh SECONDS}
 CC=${FUZZ_CC:-$(command -v clang || command -v clang-14)}
-OUT=build/fuzz
+OUT=${FUZZ_OUT:-build/fuzz}
 NAMES="config safetensors tokenizer roundtrip decode"
 mkdir -p "$OUT"
 if [ -z "$CC" ] || ! echo 'int LLVMFuzzerTestOneInput(const char *d, long n) { return 0; }' |
@@ -42,7 +43,7 @@ done > "$S/decode/default-ref"
 declare -A maxlen=([config]=4096 [safetensors]=16384 [tokenizer]=8192 [roundtrip]=4096 [decode]=4096)
 for h in $NAMES; do
     mkdir -p "$OUT/corpus/$h"
-    nice -n 19 "$OUT/fuzz_$h" -max_total_time="$SECONDS_EACH" -timeout=20 -rss_limit_mb=4096 -max_len="${maxlen[$h]}" \
+    nice -n 19 "$OUT/fuzz_$h" -max_total_time="$SECONDS_EACH" -timeout=60 -rss_limit_mb=4096 -max_len="${maxlen[$h]}" \
         -close_fd_mask=2 -print_final_stats=1 -artifact_prefix="$OUT/$h-" "$OUT/corpus/$h" "$S/$h" > "$OUT/$h.log" 2>&1 &
 done
 wait
