@@ -1503,13 +1503,13 @@ static int tensor_cmp(const void *a, const void *b) { return strcmp(((const Tens
 static const Tensor *st_lookup(const Checkpoint *ck, const char *name) {
     Tensor key = {0};
     key.name = (char *)name;
-    return bsearch(&key, ck->t, (size_t)ck->n, sizeof(Tensor), tensor_cmp);
+    return ck->n ? bsearch(&key, ck->t, (size_t)ck->n, sizeof(Tensor), tensor_cmp) : NULL;
 }
 
 /* Sorts the tensors by name, so that lookups are binary searches (a checkpoint with one tensor per
  * expert has tens of thousands), and refuses a name that appears twice. */
 static void st_sort(Checkpoint *ck) {
-    qsort(ck->t, (size_t)ck->n, sizeof(Tensor), tensor_cmp);
+    if (ck->n) qsort(ck->t, (size_t)ck->n, sizeof(Tensor), tensor_cmp);   /* a table may be empty (t NULL) */
     for (int i = 1; i < ck->n; i++)
         if (!strcmp(ck->t[i].name, ck->t[i - 1].name))
             die("%s: tensor %s appears twice (%s and %s)", ck->dir, ck->t[i].name, ck->t[i - 1].file, ck->t[i].file);
@@ -2198,7 +2198,7 @@ static void byte_level_chars(Tokenizer *t) {
 
 /* Appends s[0..n) to t->bytes; returns its offset. */
 static int tok_put(Tokenizer *t, const char *s, int n) {
-    t->bytes = tok_grow(t->bytes, &t->cap_bytes, t->n_bytes + (size_t)n, 1);
+    t->bytes = tok_grow(t->bytes, &t->cap_bytes, t->n_bytes + (size_t)n + 1, 1);   /* + 1: never NULL */
     memcpy(t->bytes + t->n_bytes, s, (size_t)n);
     t->n_bytes += (size_t)n;
     return (int)(t->n_bytes - (size_t)n);

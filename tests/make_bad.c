@@ -259,6 +259,7 @@ int main(int argc, char **argv) {
          with_entries("\"evil\\nnemoh: all good, loaded\\u001b[2J\":{\"dtype\":\"F8_E4M3\",\"shape\":[0],\"data_offsets\":[0,0]},"), 0, 0);
     emit("duplicate-name", "appears twice", good_config,
          with_entries("\"backbone.norm_f.weight\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]},"), 0, 0);
+    emit("no-tensors", "tensor embeddings.weight not found", good_config, "{\"__metadata__\":{\"format\":\"pt\"}}", 0, 0);
     emit("header-over-100mb", "more than the format's 100 MB", good_config, header, 150000000, 0);
     snprintf(path, sizeof path, "%s/header-over-100mb/model.safetensors", out_root);
     if (truncate(path, 8 + 150000000 + 16) != 0) { fprintf(stderr, "make_bad: truncate failed\n"); exit(2); }

@@ -24,7 +24,8 @@ for h in $NAMES; do
         -Wno-unused-function -o "$OUT/fuzz_$h" "tests/fuzz/fuzz_$h.c" -lm -lpthread || { echo "FAIL build fuzz_$h"; exit 1; }
 done
 
-# seeds: the fixtures' config.json files, safetensors headers, small tokenizers, texts, id lists
+# seeds: the fixtures' config.json files, safetensors headers, small tokenizers, texts, id lists,
+# and tests/fuzz/regress/NAME: every input a harness once failed on, replayed first on every run
 S=$OUT/seeds
 rm -rf "$S" && mkdir -p "$S/config" "$S/safetensors" "$S/tokenizer" "$S/roundtrip" "$S/decode"
 for f in weights/config.json tests/fixtures/*/config.json; do cp "$f" "$S/config/$(echo "$f" | tr / _)"; done
@@ -33,6 +34,7 @@ for f in tests/fixtures/*/*.safetensors; do
     tail -c +9 "$f" | head -c "$hlen" > "$S/safetensors/$(echo "$f" | tr / _)"
 done
 cp tests/fuzz/*.tokenizer.json "$S/tokenizer/"
+for h in $NAMES; do cp tests/fuzz/regress/$h/* "$S/$h/" 2>/dev/null; done   # inputs that once failed
 i=0
 grep -v '^#' tests/fixtures/tokenizer/corpus.txt | while IFS= read -r line; do printf '%s' "$line" > "$S/roundtrip/$i"; i=$((i + 1)); done
 head -c 4000 tests/fixtures/default-ref/text.txt > "$S/roundtrip/default-ref"
