@@ -1217,9 +1217,8 @@ static void config_moe(Config *c, const Json *root, const char *path) {
     c->latent = cfg_int(root, path, "moe_latent_size", 0, 0);
     /* transformers adds exactly one shared expert whatever n_shared_experts says; vLLM multiplies */
     if (cfg_int(root, path, "n_shared_experts", 0, 1) != 1) die("%s: n_shared_experts must be 1", path);
-    const Json *norm = json_get(root, "norm_topk_prob"), *scale = json_get(root, "routed_scaling_factor");
-    if (norm && norm->type != J_BOOL) die("%s: norm_topk_prob must be true or false", path);
-    c->norm_topk = norm ? norm->num != 0 : 1;  /* transformers' default */
+    const Json *scale = json_get(root, "routed_scaling_factor");
+    c->norm_topk = cfg_bool(root, path, "norm_topk_prob", 1);  /* transformers' default */
     if (scale && (scale->type != J_NUM || !(fabs(scale->num) < 1e6)))
         die("%s: routed_scaling_factor must be a number", path);
     c->routed_scale = scale ? (float)scale->num : 1.0f;
@@ -1327,6 +1326,10 @@ static void config_parse(Config *c, const char *text, size_t len, const char *pa
     cfg_limit(path, "num_attention_heads * head_dim + 2 * num_key_value_heads * head_dim", q + 2 * kv, WIDTH_MAX);
     cfg_limit(path, "mamba in_proj rows (2 * heads * head_dim + 2 * n_groups * state + heads)", 2 * di + 2 * gn + c->m_heads, WIDTH_MAX);
     cfg_limit(path, "conv_kernel", c->d_conv, CONV_MAX);
+    cfg_limit(path, "n_routed_experts", c->n_experts, 1 << 16);
+    cfg_limit(path, "moe_intermediate_size", c->moe, WIDTH_MAX);
+    cfg_limit(path, "moe_shared_expert_intermediate_size", c->shared, WIDTH_MAX);
+    cfg_limit(path, "moe_latent_size", c->latent, WIDTH_MAX);
 
     /* eos_token_id: an id or a list of ids, each an integer */
     const Json *eos = json_get(root, "eos_token_id");
@@ -3274,7 +3277,7 @@ int main(int argc, char **argv) {
         const char *a = argv[i];
         int more = i + 1 < argc;
 #define VALUE() (more ? argv[++i] : (die("%s: missing value", a), ""))
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(); return 0; }
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(); check_stdout(); return 0; }
         else if (!strcmp(a, "-m")) dir = VALUE();
         else if (!strcmp(a, "-n")) { o.n = arg_int(a, VALUE(), 0, 1 << 30); n_set = 1; }
         else if (!strcmp(a, "-t")) o.temp = arg_float(a, VALUE(), 0, 100);

@@ -154,6 +154,7 @@ static void moe_cases(void) {
     emit("moe-expert-shape", "config implies", config_set("moe_intermediate_size", config_int("moe_intermediate_size") + 4), header, 0, 0);
     emit("moe-top-k", "num_experts_per_tok", config_set("num_experts_per_tok", E + 1), header, 0, 0);
     emit("moe-n-group", "must divide n_routed_experts", config_set("n_group", E + 1), header, 0, 0);
+    emit("moe-experts-limit", "more than nemoh's limit", config_set("n_routed_experts", 1L << 20), header, 0, 0);
     emit("moe-bias-length", "e_score_correction_bias has shape", good_config, shorten("mixer.gate.e_score_correction_bias"), 0, 0);
     if (strstr(header, "fc1_latent_proj.weight\""))
         emit("moe-no-latent-proj", "fc1_latent_proj.weight not found", good_config,

@@ -1,6 +1,7 @@
 /* fuzz_safetensors: the safetensors header and tensor table. The input is the JSON header of a
- * file whose data section is 1 MiB of zeros; when its table is accepted, rank 0's weight views
- * of the tiny-bf16 fixture's config are built from it (the shape checks against the config). */
+ * file whose data section is 1 MiB of zeros; when its table is accepted, the tensors the model does
+ * not read are checked and rank 0's weight views of the tiny-bf16 fixture's config are built from it
+ * (the shape checks against the config). */
 #include "fuzz.h"
 
 enum { DATA = 1 << 20 };
@@ -29,7 +30,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     memset(&ck, 0, sizeof ck);
     ck.dir = "model";
     st_parse(&ck, "model.safetensors", file, 8 + size + DATA);
-    ck_sort(&ck);
+    st_sort(&ck);
+    st_check_extra(&ck, &cfg);
     Shard s;
     shard_sizes(&s, &cfg, 0, 1);
     build_weights(&w, &ck, &cfg, &s);
