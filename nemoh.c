@@ -86,6 +86,12 @@ static void *xcalloc(size_t n, size_t size) {
     return p;
 }
 
+/* Flushes stdout and dies if any write to it failed (a full disk, a closed stdout, a broken pipe
+ * with SIGPIPE ignored; with SIGPIPE as it comes, a broken pipe ends nemoh by the signal). */
+static void check_stdout(void) {
+    if (fflush(stdout) != 0 || ferror(stdout)) die("stdout: write failed: %s", strerror(errno));
+}
+
 static double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -2945,6 +2951,7 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
         if (next == ch->end_turn || is_eos(&e->c, next)) break;
         reply[made++] = next;
         if (!thinking || !o->hide_think) tok_stream_put(tok, &ts, next, stdout);
+        check_stdout();
         if (thinking && next == ch->think_end) {
             thinking = 0;
             if (tty && !o->hide_think) fputs("\033[0m", stdout);
@@ -2957,7 +2964,7 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
     tok_stream_end(tok, &ts, stdout);
     if (thinking && tty && !o->hide_think) fputs("\033[0m", stdout);
     fputs("\n", stdout);
-    fflush(stdout);
+    check_stdout();
     cs->n = pos;
     size_t len;
     char *text = tok_decode(tok, reply, made, &len), *content = xmalloc(strlen(opening) + len + 1);
@@ -3046,12 +3053,6 @@ typedef struct {
     int made;                   /* tokens generated */
     int full;                   /* 1: stopped because the context was full */
 } GenStats;
-
-/* Flushes stdout and dies if any write to it failed (a full disk, a closed stdout, a broken pipe
- * with SIGPIPE ignored; with SIGPIPE as it comes, a broken pipe ends nemoh by the signal). */
-static void check_stdout(void) {
-    if (fflush(stdout) != 0 || ferror(stdout)) die("stdout: write failed: %s", strerror(errno));
-}
 
 static int is_eos(const Config *c, int id) {
     for (int i = 0; i < c->n_eos; i++) if (c->eos[i] == id) return 1;

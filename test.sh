@@ -271,6 +271,10 @@ refuse_out() {
 }
 refuse_out "bad input: stdout on a full disk (/dev/full)" "stdout: write failed: No space left on device" /dev/full ./nemoh --cpu -m $d --ids "1 2" -n 5
 refuse_out "bad input: stdout closed" "stdout is closed" - ./nemoh --cpu -m $d --ids "1 2" -n 5
+./nemoh -m tests/fixtures/chat/chatml --chat "Hello there" -t 0 -n 8 --cpu </dev/null >/dev/full 2>"$T/chatfull.err"; rc=$?
+err=$(grep -v '^nemoh: \(loaded\|turn\)' "$T/chatfull.err")
+[ $rc -eq 1 ] && [ "$err" = "nemoh: stdout: write failed: No space left on device" ] && pass "bad input: a chat reply to a full disk: one line, exit 1" \
+    || fail "bad input: a chat reply to a full disk: one line, exit 1" "exit $rc: $err"
 { sleep 0.5; trap '' PIPE; ./nemoh --cpu -m $d --ids "1 2" -n 1000 -c 2000 -t 1 -s 1 2>"$T/pipe.err"; echo $? > "$T/pipe.rc"; } | true
 err=$(grep -v '^nemoh: loaded ' "$T/pipe.err")
 [ "$(cat "$T/pipe.rc")" = 1 ] && [ "$err" = "nemoh: stdout: write failed: Broken pipe" ] && pass "bad input: a broken pipe with SIGPIPE ignored ends generation with one line" \
