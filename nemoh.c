@@ -1,11 +1,12 @@
-/* nemoh.c: a compact inference engine for NVIDIA Nemotron-H hybrid models (Mamba2 + attention + MLP).
+/* nemoh.c: a compact inference engine for NVIDIA Nemotron-H hybrid models (Mamba2 + attention + MLP,
+ * and Nemotron 3's mixture of experts).
  *
  * Read top to bottom. The model first: how the model is split over tensor-parallel ranks, the CPU
  * backend (the readable reference of every mixer), the one layer loop every backend runs, the ranks
  * that run it, the sampler. Then reading a model from disk: JSON, config.json, safetensors, each
- * rank's weight views, the tokenizer, and synthetic models. Last, generation and the command line.
- * nemoh.cu holds the CUDA backend; without it (a plain C compiler) this file builds the CPU engine
- * alone. */
+ * rank's weight views, the tokenizer, and synthetic models. Last, chat formats, generation and the
+ * command line. nemoh.cu holds the CUDA backend; without it (a plain C compiler) this file builds the
+ * CPU engine alone. */
 #define _GNU_SOURCE
 #include <ctype.h>
 #include <errno.h>
@@ -146,7 +147,7 @@ static int file_exists(const char *path) {
 
 /* Tensor-parallel sizes; returns NULL if n ranks can split the model, else the reason. */
 static const char *shard_sizes(Shard *s, const Config *c, int rank, int n) {
-    int has_m = has_kind(c, 'M'), has_a = has_kind(c, '*'), has_f = has_kind(c, '-'), has_e = has_kind(c, 'E');
+    int has_m = has_kind(c, K_MAMBA), has_a = has_kind(c, K_ATTN), has_f = has_kind(c, K_MLP), has_e = has_kind(c, K_MOE);
     if (has_m && (c->m_heads % n || c->n_groups % n)) return "mamba heads and n_groups";
     if (has_a && (c->n_heads % n || (c->n_kv % n && n % c->n_kv))) return "attention heads (and kv heads, or be a multiple of them)";
     if (has_f && c->mlp % n) return "the MLP size";
@@ -279,15 +280,15 @@ static void cpu_init(Rank *r) {
     st->k = xcalloc((size_t)c->n_layers, sizeof(float *));
     st->v = xcalloc((size_t)c->n_layers, sizeof(float *));
     for (int l = 0; l < c->n_layers; l++) {
-        if (c->kind[l] == 'M') {
+        if (c->kind[l] == K_MAMBA) {
             st->conv[l] = xcalloc((size_t)s->conv * (size_t)(c->d_conv - 1), sizeof(float));
             st->ssm[l] = xcalloc((size_t)s->d_inner * (size_t)c->d_state, sizeof(float));
-        } else if (c->kind[l] == '*') {
+        } else if (c->kind[l] == K_ATTN) {
             st->k[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
             st->v[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
         }
     }
-    if (has_kind(c, 'E')) {
+    if (has_kind(c, K_MOE)) {
         size_t d = (size_t)(c->latent ? c->latent : c->hidden), K = (size_t)c->top_k;
         st->route = xcalloc(T * K, sizeof(int));
         st->route_w = xcalloc(T * K, sizeof(float));
@@ -592,7 +593,7 @@ static int cpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t s
         if (sh->bad == c->n_layers) die("non-finite logits: the embedding of a prompt token is not finite");
         char k = c->kind[sh->bad];
         die("non-finite logits: layer %d (%s) is the first whose output is not finite", sh->bad,
-            k == 'M' ? "mamba" : k == '*' ? "attention" : k == '-' ? "mlp" : "moe");
+            k == K_MAMBA ? "mamba" : k == K_ATTN ? "attention" : k == K_MLP ? "mlp" : "moe");
     }
     return id;
 }
@@ -629,12 +630,12 @@ static void cpu_snapshot(Rank *r, int slot, int save) {
     const Config *c = r->c;
     size_t nc = (size_t)r->s.conv * (size_t)(c->d_conv - 1), ns = (size_t)r->s.d_inner * (size_t)c->d_state;
     if (!st->snap) {
-        for (int l = 0; l < c->n_layers; l++) st->snap_n += c->kind[l] == 'M' ? nc + ns : 0;
+        for (int l = 0; l < c->n_layers; l++) st->snap_n += c->kind[l] == K_MAMBA ? nc + ns : 0;
         st->snap = xcalloc(SNAPSHOT_SLOTS * st->snap_n + 1, sizeof(float));
     }
     float *p = st->snap + (size_t)slot * st->snap_n;
     for (int l = 0; l < c->n_layers; l++) {
-        if (c->kind[l] != 'M') continue;
+        if (c->kind[l] != K_MAMBA) continue;
         memcpy(save ? p : st->conv[l], save ? st->conv[l] : p, nc * sizeof(float));
         memcpy(save ? p + nc : st->ssm[l], save ? st->ssm[l] : p + nc, ns * sizeof(float));
         p += nc + ns;
@@ -659,7 +660,7 @@ static void trace_layer(const Rank *r, int l, int how) {
     if (!r->trace || r->s.rank != 0) return;
     const char kind = r->c->kind[l];
     fprintf(stderr, "layer %3d  %-6s %-44s pending in: %s\n", l,
-            kind == 'M' ? "mamba" : kind == '*' ? "attn" : kind == '-' ? "mlp" : "moe",
+            kind == K_MAMBA ? "mamba" : kind == K_ATTN ? "attn" : kind == K_MLP ? "mlp" : "moe",
             how == NORM_PLAIN ? "rmsnorm" : how == NORM_FUSED ? "fused all-reduce + add + rmsnorm" : "add + rmsnorm",
             how == NORM_PLAIN ? "no" : how == NORM_FUSED ? "yes (reduced here)" : "yes (reduced at last layer's end)");
     if (l == r->c->n_layers - 1)
@@ -683,9 +684,9 @@ static void forward(Rank *r, const int *tok, int T, int pos, int all_logits) {
         trace_layer(r, l, how);
         be->norm(r, l, how, T);
         /* pending = mixer_l(x): row-parallel partial sums */
-        if (c->kind[l] == 'M') be->mamba(r, l, T, pos);
-        else if (c->kind[l] == '*') be->attention(r, l, T, pos);
-        else if (c->kind[l] == '-') be->mlp(r, l, T);
+        if (c->kind[l] == K_MAMBA) be->mamba(r, l, T, pos);
+        else if (c->kind[l] == K_ATTN) be->attention(r, l, T, pos);
+        else if (c->kind[l] == K_MLP) be->mlp(r, l, T);
         else be->moe(r, l, T);
         if (!r->fuse) be->allreduce(r, T);
     }
@@ -1265,9 +1266,9 @@ static void config_parse(Config *c, const char *text, size_t len, const char *pa
         for (const Json *e = types->child; e; e = e->next) {
             if (c->n_layers == MAX_LAYERS) die("%s: more than %d layers", path, MAX_LAYERS);
             const char *s = e->type == J_STR ? e->str : "";
-            char k = !strcmp(s, "mamba") || !strcmp(s, "linear_attention") ? 'M'
-                   : !strcmp(s, "attention") || !strcmp(s, "full_attention") ? '*'
-                   : !strcmp(s, "mlp") ? '-' : !strcmp(s, "moe") ? 'E' : '?';
+            char k = !strcmp(s, "mamba") || !strcmp(s, "linear_attention") ? K_MAMBA
+                   : !strcmp(s, "attention") || !strcmp(s, "full_attention") ? K_ATTN
+                   : !strcmp(s, "mlp") ? K_MLP : !strcmp(s, "moe") ? K_MOE : '?';
             if (k == '?') die("%s: layer %d has unknown block type \"%s\"", path, c->n_layers, s);
             c->kind[c->n_layers++] = k;
         }
@@ -1284,7 +1285,7 @@ static void config_parse(Config *c, const char *text, size_t len, const char *pa
     if (c->n_layers == 0) die("%s: the model has no layers", path);
     int nl = cfg_int(root, path, "num_hidden_layers", 0, c->n_layers);
     if (nl != c->n_layers) die("%s: num_hidden_layers is %d but the pattern has %d layers", path, nl, c->n_layers);
-    int has_m = has_kind(c, 'M'), has_a = has_kind(c, '*'), has_f = has_kind(c, '-');
+    int has_m = has_kind(c, K_MAMBA), has_a = has_kind(c, K_ATTN), has_f = has_kind(c, K_MLP);
 
     c->vocab = cfg_int(root, path, "vocab_size", 1, 0);
     c->hidden = cfg_int(root, path, "hidden_size", 1, 0);
@@ -1321,7 +1322,7 @@ static void config_parse(Config *c, const char *text, size_t len, const char *pa
         cfg_require(root, path, "mamba_proj_bias", 0);
         cfg_require(root, path, "use_bias", 0);
     }
-    if (has_kind(c, 'E')) config_moe(c, root, path);
+    if (has_kind(c, K_MOE)) config_moe(c, root, path);
     if (!c->vocab || !c->hidden || !c->ctx) die("%s: vocab_size, hidden_size and max_position_embeddings must be positive", path);
     int64_t di = (int64_t)c->m_heads * c->m_hdim, gn = (int64_t)c->n_groups * c->d_state;
     int64_t q = (int64_t)c->n_heads * c->head_dim, kv = (int64_t)c->n_kv * c->head_dim;
@@ -1637,7 +1638,7 @@ static int st_check_extra(const Checkpoint *ck, const Config *c) {
         }
         int up = e < 0 ? !strcmp(tail, "up_proj") : !strcmp(tail, ".up_proj.weight");
         int down = e < 0 ? !strcmp(tail, "down_proj") : !strcmp(tail, ".down_proj.weight");
-        if (l < 0 || l >= c->n_layers || c->kind[l] != 'E')
+        if (l < 0 || l >= c->n_layers || c->kind[l] != K_MOE)
             die("%s: tensor %s: layer %d is not a mixture-of-experts layer", ck->t[i].file, name, l);
         if (!up && !down) die("%s: tensor %s: not a routed expert's up_proj or down_proj", ck->t[i].file, name);
         if (e >= c->n_experts) die("%s: tensor %s: expert %d, but n_routed_experts is %d", ck->t[i].file, name, e, c->n_experts);
@@ -1683,7 +1684,7 @@ static void build_weights(Weights *w, const Checkpoint *ck, const Config *c, con
         Layer *L = &w->layer[l];
         L->kind = c->kind[l];
         L->norm = small_f32(T2("norm.weight", H, 0), 0, (size_t)H);
-        if (L->kind == 'M') {
+        if (L->kind == K_MAMBA) {
             int di = c->m_heads * c->m_hdim, gn = c->n_groups * c->d_state, conv = di + 2 * gn, gl = s->groups * c->d_state;
             const Tensor *in = T2("mixer.in_proj.weight", 2 * di + 2 * gn + c->m_heads, H);
             /* each segment of [z | x | B | C | dt] is split contiguously, so heads and groups stay whole */
@@ -1710,13 +1711,13 @@ static void build_weights(Weights *w, const Checkpoint *ck, const Config *c, con
             L->dt_bias = small_f32(T2("mixer.dt_bias", c->m_heads, 0), h0, m_heads);
             L->gnorm = small_f32(T2("mixer.norm.weight", di, 0), (size_t)r * s->d_inner, (size_t)s->d_inner);
             L->out = mat_view(T2("mixer.out_proj.weight", H, di), 0, H, (long)r * s->d_inner, s->d_inner);
-        } else if (L->kind == '*') {
+        } else if (L->kind == K_ATTN) {
             int hd = c->head_dim;
             L->wq = mat_view(T2("mixer.q_proj.weight", c->n_heads * hd, H), (long)s->q0 * hd, s->q * hd, 0, H);
             L->wk = mat_view(T2("mixer.k_proj.weight", c->n_kv * hd, H), (long)s->kv0 * hd, s->kv * hd, 0, H);
             L->wv = mat_view(T2("mixer.v_proj.weight", c->n_kv * hd, H), (long)s->kv0 * hd, s->kv * hd, 0, H);
             L->wo = mat_view(T2("mixer.o_proj.weight", H, c->n_heads * hd), 0, H, (long)s->q0 * hd, s->q * hd);
-        } else if (L->kind == '-') {
+        } else if (L->kind == K_MLP) {
             L->up = mat_view(T2("mixer.up_proj.weight", c->mlp, H), (long)r * s->mlp, s->mlp, 0, H);
             L->down = mat_view(T2("mixer.down_proj.weight", H, c->mlp), 0, H, (long)r * s->mlp, s->mlp);
         } else {
@@ -2549,7 +2550,7 @@ static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t se
     for (int l = 0; l < c->n_layers; l++) {
 #define ADD(field, dt, d0, d1, what) (snprintf(nm, sizeof nm, "backbone.layers.%d.%s", l, field), add_random(ck, nm, dt, d0, d1, what, seed, host))
         ADD("norm.weight", DT_F32, H, 0, W_ONE);
-        if (c->kind[l] == 'M') {
+        if (c->kind[l] == K_MAMBA) {
             ADD("mixer.in_proj.weight", DT_BF16, 2 * di + 2 * gn + c->m_heads, H, W_MAT);
             ADD("mixer.conv1d.weight", DT_F32, di + 2 * gn, c->d_conv, W_CONV);
             ADD("mixer.conv1d.bias", DT_F32, di + 2 * gn, 0, W_BIAS);
@@ -2558,12 +2559,12 @@ static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t se
             ADD("mixer.dt_bias", DT_F32, c->m_heads, 0, W_DTB);
             ADD("mixer.norm.weight", DT_F32, di, 0, W_ONE);
             ADD("mixer.out_proj.weight", DT_BF16, H, di, W_MAT);
-        } else if (c->kind[l] == '*') {
+        } else if (c->kind[l] == K_ATTN) {
             ADD("mixer.q_proj.weight", DT_BF16, q, H, W_MAT);
             ADD("mixer.k_proj.weight", DT_BF16, kv, H, W_MAT);
             ADD("mixer.v_proj.weight", DT_BF16, kv, H, W_MAT);
             ADD("mixer.o_proj.weight", DT_BF16, H, q, W_MAT);
-        } else if (c->kind[l] == '-') {
+        } else if (c->kind[l] == K_MLP) {
             ADD("mixer.up_proj.weight", DT_BF16, c->mlp, H, W_MAT);
             ADD("mixer.down_proj.weight", DT_BF16, H, c->mlp, W_MAT);
         } else {
@@ -3111,13 +3112,13 @@ static double decode_bytes(const Rank *r, int pos, int gpu) {
     b += MB(r->w.embed, 1) + MB(r->w.lm_head, s->vocab);
     for (int l = 0; l < c->n_layers; l++) {
         const Layer *L = &r->w.layer[l];
-        if (L->kind == 'M')
+        if (L->kind == K_MAMBA)
             b += MB(L->in_proj[0], s->in_proj) + MB(L->out, c->hidden) +
                  2.0 * 4 * ((double)s->d_inner * c->d_state + (double)s->conv * (c->d_conv - 1));
-        else if (L->kind == '*')
+        else if (L->kind == K_ATTN)
             b += MB(L->wq, (s->q + 2 * s->kv) * c->head_dim) + MB(L->wo, c->hidden) +   /* the GPU's cache is bf16 for bf16 weights */
                  2.0 * (gpu && L->wq.dtype == DT_BF16 ? 2 : 4) * pos * s->kv * c->head_dim;
-        else if (L->kind == '-')
+        else if (L->kind == K_MLP)
             b += MB(L->up, s->mlp) + MB(L->down, c->hidden);
         else
             b += 4.0 * c->n_experts * c->hidden + c->top_k * (MB(L->eup[0], s->moe) + MB(L->edown[0], L->edown[0].rows)) +
@@ -3172,7 +3173,7 @@ static void bench(Engine *e, const char *model, int prompt_len, int n, int gpu) 
     printf("| prefill | %d tokens in %.3f s: %.0f tok/s |\n", prompt_len, st.prefill_s, prompt_len / st.prefill_s);
     printf("| decode | %d tokens: %.3f ms/token, %.1f tok/s |\n", st.made, ms, ms > 0 ? 1e3 / ms : 0);
     printf("| bytes per decoded token | %.3f GB per rank (weights%s, Mamba state read + write, KV cache) |\n", bytes / 1e9,
-           has_kind(&e->c, 'E') ? " with the chosen routed experts only" : "");
+           has_kind(&e->c, K_MOE) ? " with the chosen routed experts only" : "");
     printf("| achieved | %.0f GB/s per rank, %.1f%% of the copy bandwidth |\n", gbps, copy > 0 ? 100 * gbps / copy : 0);
     if (gpu) printf("| GPU memory in use | %.2f GB (largest rank) |\n", used / 1e9);
     free(prompt);
@@ -3393,7 +3394,7 @@ int main(int argc, char **argv) {
 #ifdef NEMOH_CUDA
     if (gpus) be = &cuda_backend;
 #endif
-    if (has_kind(&e.c, 'E') && !be->moe)
+    if (has_kind(&e.c, K_MOE) && !be->moe)
         die("%s: the %s backend does not run mixture-of-experts layers yet; run it with --cpu", preset ? preset : dir, be->name);
     Checkpoint ck;
     int n_mtp = 0;
