@@ -641,14 +641,12 @@ static void cpu_snapshot(Rank *r, int slot, int save) {
         p += nc + ns;
     }
 }
-static void cpu_snapshot_save(Rank *r, int slot) { cpu_snapshot(r, slot, 1); }
-static void cpu_snapshot_load(Rank *r, int slot) { cpu_snapshot(r, slot, 0); }
 
 static const Backend cpu_backend = {
     .name = "cpu", .setup = cpu_setup, .teardown = cpu_teardown, .init = cpu_init, .free = cpu_free, .embed = cpu_embed, .norm = cpu_norm,
     .mamba = cpu_mamba, .attention = cpu_attention, .mlp = cpu_mlp, .moe = cpu_moe, .allreduce = cpu_allreduce,
     .logits = cpu_logits, .sample = cpu_sample, .host_logits = cpu_host_logits,
-    .snapshot_save = cpu_snapshot_save, .snapshot_load = cpu_snapshot_load,
+    .snapshot = cpu_snapshot,
 };
 
 /* ------------------------------------------------------------------------------------------------
@@ -811,9 +809,9 @@ static void engine_forward(Engine *e, const int *tok, int T, int pos, int all) {
 }
 
 /* Every rank saves (or restores) its own shard of the recurrent state in snapshot slot `slot`. */
-static void job_snapshot_save(Rank *r, void *slot) { r->be->snapshot_save(r, *(int *)slot); }
-static void job_snapshot_load(Rank *r, void *slot) { r->be->snapshot_load(r, *(int *)slot); }
-static void engine_snapshot(Engine *e, int slot, int save) { run_ranks(e, save ? job_snapshot_save : job_snapshot_load, &slot); }
+typedef struct { int slot, save; } SnapArgs;
+static void job_snapshot(Rank *r, void *arg) { SnapArgs *a = arg; r->be->snapshot(r, a->slot, a->save); }
+static void engine_snapshot(Engine *e, int slot, int save) { SnapArgs a = {slot, save}; run_ranks(e, job_snapshot, &a); }
 
 /* Every rank samples from its own gathered logits; they must agree. */
 static int engine_sample(Engine *e, float temp, float topp, uint64_t seed, uint64_t step) {

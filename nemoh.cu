@@ -2517,8 +2517,6 @@ static void gpu_snapshot(Rank *r, int slot, int save) {
         p += nc + ns;
     }
 }
-static void gpu_snapshot_save(Rank *r, int slot) { gpu_snapshot(r, slot, 1); }
-static void gpu_snapshot_load(Rank *r, int slot) { gpu_snapshot(r, slot, 0); }
 
 /* Designated initialisers, in the order Backend declares its fields (C++ wants that order). */
 extern "C" const Backend cuda_backend = {
@@ -2540,8 +2538,7 @@ extern "C" const Backend cuda_backend = {
     .sample = gpu_sample,
     .host_logits = gpu_host_logits,
     .moe = gpu_moe,
-    .snapshot_save = gpu_snapshot_save,
-    .snapshot_load = gpu_snapshot_load,
+    .snapshot = gpu_snapshot,
 };
 
 /* ------------------------------------------------------------------------------------------------

@@ -165,8 +165,7 @@ typedef struct {
                                                            this backend has no mixture-of-experts layers */
     /* Every Mamba layer's conv window and SSM state into slot (< SNAPSHOT_SLOTS), or back, on the
      * state's own device; the KV cache needs no copy: positions past the resumed one are rewritten. */
-    void (*snapshot_save)(Rank *r, int slot);
-    void (*snapshot_load)(Rank *r, int slot);
+    void (*snapshot)(Rank *r, int slot, int save);      /* recurrent state to snapshot slot, or back */
 } Backend;
 
 struct Rank {
