@@ -2955,7 +2955,8 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
             thinking = 0;
             if (tty && !o->hide_think) fputs("\033[0m", stdout);
         }
-        if (pos + 1 >= ctx || i == o->n - 1) break;
+        if (pos + 1 >= ctx) { fprintf(stderr, "nemoh: the reply stopped at the end of the context (%d tokens; -c sets it)\n", ctx); break; }
+        if (i == o->n - 1) break;
         chat_forward(e, cs, &next, 1, pos, o);
         cs->ids[pos++] = next;
     }

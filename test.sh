@@ -261,6 +261,9 @@ refuse "bad input: an error line escapes control characters it echoes" '-f x\x0A
 out=$(./nemoh --cpu -m $d --ids "1 2" -n 100 -c 8 -t 0 2>&1 >/dev/null); rc=$?
 [ $rc -eq 0 ] && grep -q "stopped at the end of the context (8 tokens" <<< "$out" && pass "generation that fills the context says so" \
     || fail "generation that fills the context says so" "exit $rc: $out"
+out=$(printf 'hello there\n' | ./nemoh --cpu -m tests/fixtures/chat/nano-v2 --chat -c 40 -t 0 2>&1 >/dev/null); rc=$?
+[ $rc -eq 0 ] && grep -q "reply stopped at the end of the context (40 tokens" <<< "$out" && pass "a chat reply that fills the context says so" \
+    || fail "a chat reply that fills the context says so" "exit $rc: $out"
 
 # stdout: a full disk, a closed stdout, a broken pipe (SIGPIPE ignored: one line; as it comes: the signal)
 # refuse_out NAME EXPECT STDOUT CMD...: refuse_run with CMD's stdout sent to the file STDOUT ("-": closed)
