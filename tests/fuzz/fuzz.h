@@ -96,3 +96,21 @@ static int fuzz_utf8(const unsigned char *s, size_t n) {
 
 /* A failed property: print it and abort, which libFuzzer reports with the input. */
 #define FUZZ_ASSERT(cond, what) do { if (!(cond)) { fprintf(stderr, "fuzz: %s\n", what); abort(); } } while (0)
+
+/* Streams ids[0..n) through tok_stream_put into memory: the result must equal the whole decode
+ * text[0..len), and no streamed write may end inside a character. */
+static void fuzz_check_stream(const Tokenizer *t, const int *ids, int n, const char *text, size_t len) {
+    char *streamed;
+    size_t slen;
+    FILE *f = open_memstream(&streamed, &slen);
+    TokStream s = {0};
+    for (int i = 0; i < n; i++) {
+        tok_stream_put(t, &s, ids[i], f);
+        long at = ftell(f);
+        FUZZ_ASSERT(at >= 0 && ((size_t)at >= len || ((unsigned char)text[at] & 0xC0) != 0x80), "a streamed write ended inside a character");
+    }
+    tok_stream_end(t, &s, f);
+    fclose(f);
+    FUZZ_ASSERT(slen == len && !memcmp(streamed, text, len), "streamed decode != decode");
+    free(streamed);
+}

@@ -22,17 +22,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         int n, *ids = tok_encode(t, (const char *)data, size, 0, &n);
         FUZZ_ASSERT(n >= t->n_pre + t->n_post, "the special tokens are missing");
         for (int i = 0; i < n; i++) FUZZ_ASSERT(ids[i] >= 0 && ids[i] < t->n_vocab, "id outside the vocabulary");
-        size_t len, slen;
-        char *text = tok_decode(t, ids + t->n_pre, n - t->n_pre - t->n_post, &len), *streamed;
+        size_t len;
+        char *text = tok_decode(t, ids + t->n_pre, n - t->n_pre - t->n_post, &len);
         if (fuzz_utf8(data, size)) FUZZ_ASSERT(len == size && !memcmp(text, data, size), "decode(encode(s)) != s");
         FUZZ_ASSERT(fuzz_utf8((const unsigned char *)text, len), "decode is not UTF-8");
-        FILE *f = open_memstream(&streamed, &slen);
-        TokStream s = {0};
-        for (int i = t->n_pre; i < n - t->n_post; i++) tok_stream_put(t, &s, ids[i], f);
-        tok_stream_end(t, &s, f);
-        fclose(f);
-        FUZZ_ASSERT(slen == len && !memcmp(streamed, text, len), "streamed decode != decode");
-        free(streamed);
+        fuzz_check_stream(t, ids + t->n_pre, n - t->n_pre - t->n_post, text, len);
         free(text);
         free(ids);
     }
