@@ -361,6 +361,9 @@ __global__ void fill_kernel(void *p, int bf, size_t n, float a, uint64_t seed) {
 __device__ __forceinline__ void cp_async4(float *dst, const float *src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
 }
+__device__ __forceinline__ void cp_async16(void *dst, const void *src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int n> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory"); }
 
@@ -969,11 +972,9 @@ static void ssd_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc
  * Kernels: attention (no positional encoding, causal, GQA)
  * ---------------------------------------------------------------------------------------------- */
 
-/* A cache element from fp32 and back: KT is float or bf16 (round to nearest even). */
+/* A cache element from fp32: KT is float or bf16 (round to nearest even). */
 template <typename KT> __device__ __forceinline__ KT to_kt(float v) { return (KT)v; }
 template <> __device__ __forceinline__ bf16 to_kt<bf16>(float v) { return __float2bfloat16(v); }
-__device__ __forceinline__ float kt_f32(float v) { return v; }
-__device__ __forceinline__ float kt_f32(bf16 v) { return __bfloat162float(v); }
 
 /* cache[pos + t] = k[t], v[t], in the cache's dtype KT */
 template <typename KT>
@@ -1014,11 +1015,11 @@ template <typename KT> struct AttnArgs {
  *   m = max_j s_j,  l = sum_j e^(s_j - m),  acc = sum_j e^(s_j - m) v_j,  s_j = scale q . k_j
  * and writes (m, l, acc) for combine; a split past the last key writes (-inf, 0, 0). A warp takes
  * four keys at a time and issues all their K and V loads before any math. */
-template <int NC, typename KT>
-__global__ void __launch_bounds__(128) attn_decode_kernel(const __grid_constant__ AttnArgs<KT> a) {
+template <int NC>
+__global__ void __launch_bounds__(128) attn_decode_kernel(const __grid_constant__ AttnArgs<float> a) {
     l2_warm(a.warm, a.warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
     pdl_wait();
-    const KT *kc = a.kc, *vc = a.vc;
+    const float *kc = a.kc, *vc = a.vc;
     int kw = a.kw, hd = a.hd, splits = a.splits;
     float scale = a.scale;
     int h = blockIdx.x, s = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1033,12 +1034,12 @@ __global__ void __launch_bounds__(128) attn_decode_kernel(const __grid_constant_
         float kv[4][NC], vv[4][NC], sc[4], e[4];
 #pragma unroll
         for (int u = 0; u < 4; u++) {
-            const KT *k = kc + (size_t)(j + u) * kw + kvh * hd, *v = vc + (size_t)(j + u) * kw + kvh * hd;
+            const float *k = kc + (size_t)(j + u) * kw + kvh * hd, *v = vc + (size_t)(j + u) * kw + kvh * hd;
 #pragma unroll
             for (int c = 0; c < NC; c++) {
                 bool in = j + u < j1 && lane + 32 * c < hd;
-                kv[u][c] = in ? kt_f32(k[lane + 32 * c]) : 0.0f;
-                vv[u][c] = in ? kt_f32(v[lane + 32 * c]) : 0.0f;
+                kv[u][c] = in ? k[lane + 32 * c] : 0.0f;
+                vv[u][c] = in ? v[lane + 32 * c] : 0.0f;
             }
         }
         float mn = m;
@@ -1076,11 +1077,11 @@ __global__ void __launch_bounds__(128) attn_decode_kernel(const __grid_constant_
     }
 }
 
-/* Launches attn_decode_kernel for n_q query heads (see there). */
-template <typename KT> static void attn_decode(cudaStream_t stream, const AttnArgs<KT> &a, int n_q) {
+/* Launches attn_decode_kernel for n_q query heads (see there); a bf16 cache has its own kernel below. */
+static void attn_decode(cudaStream_t stream, const AttnArgs<float> &a, int n_q) {
     int hd = a.hd;
-    auto k = hd <= 32 ? attn_decode_kernel<1, KT> : hd <= 64 ? attn_decode_kernel<2, KT> : hd <= 128 ? attn_decode_kernel<4, KT>
-                                                                                        : attn_decode_kernel<8, KT>;
+    auto k = hd <= 32 ? attn_decode_kernel<1> : hd <= 64 ? attn_decode_kernel<2> : hd <= 128 ? attn_decode_kernel<4>
+                                                                               : attn_decode_kernel<8>;
     LAUNCH(dim3(n_q, a.splits), 128, 0, stream, k, a);
 }
 
@@ -1279,6 +1280,149 @@ __global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(float *y, int ld
             if (col + 1 < hd) out[col + 1] = o[d][2 * i + 1] * inv;
         }
     }
+}
+
+/* One query (decode) from a bf16 cache, on the tensor cores: block (kv head k, tile of up to 16 of its
+ * query heads, split s) writes each head's split partial (m, l, acc) as attn_decode_kernel does, for
+ * attn_combine_kernel. The heads are the 16 rows of mma.sync m16n8k16 tiles, so a GQA group reads each
+ * K and V row once. The block stages FA_KEYS keys at a time in shared memory (cp.async, two stages: the
+ * next tile loads while this one is used); warp w takes keys 16w .. 16w + 15 of a tile with its own
+ * online softmax (log2 units), and the four warps' (m, l, acc) merge at the end. Keys past the split's
+ * last are zero rows, masked. */
+template <int HD>
+__global__ void __launch_bounds__(FA_THREADS) attn_decode_bf16_kernel(const __grid_constant__ AttnArgs<bf16> a, int qpk) {
+    constexpr int LDS = HD + 8, DT = HD / 8, STAGE = 2 * FA_KEYS * LDS;
+    extern __shared__ uint4 fa_sm[];
+    __shared__ __align__(16) bf16 Qs[16 * LDS];
+    bf16 *tiles = (bf16 *)fa_sm;   /* stage st: K rows at tiles + st * STAGE, V rows FA_KEYS * LDS after */
+    l2_warm(a.warm, a.warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
+    int qt = (qpk + 15) / 16, kvh = blockIdx.x / qt, r_first = blockIdx.x % qt * 16, nh = min(16, qpk - r_first);
+    int h0 = kvh * qpk + r_first, s = blockIdx.y, splits = a.splits, hd = a.hd, kw = a.kw;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    bool vec = hd % 8 == 0;   /* rows of whole 16-byte pieces: cp.async */
+    pdl_wait();
+    int n = *a.pos + 1, len = attn_len(n, splits), j0 = s * len, j1 = min(n, j0 + len);
+    for (int i = threadIdx.x; i < 16 * DT; i += FA_THREADS) {   /* Q rows as bf16; rows past the tile's heads, zeros */
+        int r = i / DT, d = i % DT * 8;
+        *(uint4 *)&Qs[r * LDS + d] = r < nh ? load8_bf16(a.q + (size_t)(h0 + r) * hd + d, hd - d, vec && d < hd) : make_uint4(0, 0, 0, 0);
+    }
+    auto stage = [&](int st, int jt) {   /* keys jt .. jt + FA_KEYS - 1 into stage st */
+        bf16 *Ks = tiles + st * STAGE, *Vs = Ks + FA_KEYS * LDS;
+        for (int i = threadIdx.x; i < FA_KEYS * DT; i += FA_THREADS) {
+            int r = i / DT, d = i % DT * 8, j = jt + r;
+            size_t at = (size_t)j * kw + kvh * hd + d;
+            if (j < j1 && vec && d < hd) {
+                cp_async16(&Ks[r * LDS + d], a.kc + at);
+                cp_async16(&Vs[r * LDS + d], a.vc + at);
+            } else {
+                *(uint4 *)&Ks[r * LDS + d] = j < j1 ? load8_bf16(a.kc + at, hd - d, false) : make_uint4(0, 0, 0, 0);
+                *(uint4 *)&Vs[r * LDS + d] = j < j1 ? load8_bf16(a.vc + at, hd - d, false) : make_uint4(0, 0, 0, 0);
+            }
+        }
+        cp_async_commit();
+    };
+    float o[DT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0, 0}, scale_log2 = a.scale * 1.4426950408889634f;
+    if (j0 < j1) stage(0, j0);
+    for (int jt = j0, st = 0; jt < j1; jt += FA_KEYS, st ^= 1) {
+        if (jt + FA_KEYS < j1) {
+            stage(st ^ 1, jt + FA_KEYS);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const bf16 *Ks = tiles + st * STAGE, *Vs = Ks + FA_KEYS * LDS;
+        /* S = Q K^T: the 16 heads against this warp's 16 keys */
+        float sc[2][4] = {};
+#pragma unroll
+        for (int k0 = 0; k0 < HD; k0 += 16) {
+            uint32_t qa[4], b[4];
+            ldsm_x4<false>(qa, &Qs[(lane & 15) * LDS + k0 + (lane >> 4) * 8]);
+            ldsm_x4<false>(b, &Ks[(warp * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS + k0 + (lane >> 3 & 1) * 8]);
+            mma_bf16(sc[0], qa, b[0], b[1]);
+            mma_bf16(sc[1], qa, b[2], b[3]);
+        }
+        /* online softmax; a warp whose keys are all past the split's end keeps (m, l, o) as they are */
+        float mx[2] = {m[0], m[1]}, f[2];
+#pragma unroll
+        for (int t = 0; t < 2; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                float v = jt + warp * 16 + t * 8 + 2 * c + (e & 1) < j1 ? sc[t][e] * scale_log2 : -INFINITY;
+                sc[t][e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+            float ref = mx[i] == -INFINITY ? 0.0f : mx[i];
+            f[i] = exp2f(m[i] - ref);
+            m[i] = mx[i];
+            mx[i] = ref;
+            l[i] *= f[i];
+        }
+#pragma unroll
+        for (int t = 0; t < 2; t++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                sc[t][e] = exp2f(sc[t][e] - mx[e >> 1]);
+                l[e >> 1] += sc[t][e];
+            }
+        /* O = O f + P V over the warp's 16 keys: its S accumulators are the A operand */
+        uint32_t pa[4] = {pack_bf16(sc[0][0], sc[0][1]), pack_bf16(sc[0][2], sc[0][3]), pack_bf16(sc[1][0], sc[1][1]),
+                          pack_bf16(sc[1][2], sc[1][3])};
+#pragma unroll
+        for (int d = 0; d < DT; d += 2) {
+            uint32_t b[4];
+            ldsm_x4<true>(b, &Vs[(warp * 16 + (lane >> 3 & 1) * 8 + (lane & 7)) * LDS + d * 8 + (lane >> 4) * 8]);
+#pragma unroll
+            for (int u = 0; u < 2; u++) {
+                o[d + u][0] *= f[0]; o[d + u][1] *= f[0]; o[d + u][2] *= f[1]; o[d + u][3] *= f[1];
+            }
+            mma_bf16(o[d], pa, b[0], b[1]);
+            mma_bf16(o[d + 1], pa, b[2], b[3]);
+        }
+        __syncthreads();   /* every warp is done with this stage before the next iteration refills it */
+    }
+    /* merge the warps: M = max_w m_w; L = sum_w l_w 2^(m_w - M); acc = sum_w o_w 2^(m_w - M) */
+    float *wm = (float *)fa_sm, *wl = wm + 64, *wo = wl + 64;   /* [4][16], [4][16], [4][16][HD] */
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        if (c == 0) { wm[warp * 16 + g + 8 * i] = m[i]; wl[warp * 16 + g + 8 * i] = l[i]; }
+#pragma unroll
+        for (int d = 0; d < DT; d++) {
+            wo[(warp * 16 + g + 8 * i) * HD + d * 8 + 2 * c] = o[d][2 * i];
+            wo[(warp * 16 + g + 8 * i) * HD + d * 8 + 2 * c + 1] = o[d][2 * i + 1];
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < nh * (hd + 1); i += FA_THREADS) {
+        int r = i / (hd + 1), d = i % (hd + 1) - 1;   /* d = -1: the head's (m, l) */
+        float M = fmaxf(fmaxf(wm[r], wm[16 + r]), fmaxf(wm[32 + r], wm[48 + r])), sum = 0;
+        for (int w = 0; w < 4; w++)
+            if (wm[w * 16 + r] > -INFINITY) sum += exp2f(wm[w * 16 + r] - M) * (d < 0 ? wl[w * 16 + r] : wo[(w * 16 + r) * HD + d]);
+        float *out = a.part + ((size_t)(h0 + r) * splits + s) * (hd + 2);
+        if (d >= 0) out[2 + d] = sum;
+        else { out[0] = M * 0.6931471805599453f; out[1] = sum; }   /* m back in natural-log units for combine */
+    }
+}
+
+/* Launches attn_decode_bf16_kernel for n_q local query heads over kw / hd local kv heads. */
+template <int HD> static void attn_decode_bf16_launch(cudaStream_t stream, const AttnArgs<bf16> &a, int n_q) {
+    int qpk = n_q / (a.kw / a.hd);
+    size_t smem = (size_t)2 * 2 * FA_KEYS * (HD + 8) * sizeof(bf16);
+    CUDA_CHECK(cudaFuncSetAttribute(attn_decode_bf16_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    LAUNCH(dim3(a.kw / a.hd * cdiv(qpk, 16), a.splits), FA_THREADS, smem, stream, attn_decode_bf16_kernel<HD>, a, qpk);
+}
+
+static void attn_decode(cudaStream_t stream, const AttnArgs<bf16> &a, int n_q) {
+    int hd = a.hd;
+    auto launch = hd <= 32 ? attn_decode_bf16_launch<32> : hd <= 64 ? attn_decode_bf16_launch<64> : hd <= 96 ? attn_decode_bf16_launch<96>
+                : hd <= 128 ? attn_decode_bf16_launch<128> : attn_decode_bf16_launch<256>;
+    launch(stream, a, n_q);
 }
 
 /* The same for fp32 checkpoints (fp32 cache), in fp32: their tests hold the GPU to 2e-4 of
