@@ -350,8 +350,10 @@ else
     else fail "GPU kernels against float64 host references" "$(grep -v '^ok' <<< "$out" | tail -20)"; fi
     for d in tests/fixtures/tiny-*; do
         f=$(basename "$d")
-        # fp32 weights (f32, f16 fixtures) stay fp32 on the GPU; bf16 ones meet bf16 prompt activations
-        tol=$(grep -q '"torch_dtype": "bfloat16"' "$d/config.json" && echo 5e-2 || echo 2e-4)
+        # fp32 weights (f32, f16 fixtures) stay fp32 on the GPU; bf16 ones meet bf16 prompt activations:
+        # the CPU with every prompt product's input rounded to bf16 as the GPU does moves tiny-moe-bf16's
+        # logits by up to 0.058 (0.015 typical a row) from HF's, with every expert choice the same
+        tol=$(grep -q '"torch_dtype": "bfloat16"' "$d/config.json" && echo 1e-1 || echo 2e-4)
         got=$(fixture_run ./nemoh "$d" "$T/gpu-$f.bin")
         same "GPU $f: greedy tokens identical to HF" "$got" "$(cat "$d/greedy.txt")"
         check "GPU $f: logits within $tol of HF" "$T/compare_logits" "$T/gpu-$f.bin" "$d/ref_logits.bin" "$tol"
