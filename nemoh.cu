@@ -1125,6 +1125,15 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(float *y, const float
  * the tiles that cross the block's first position. Blocks of the last rows (the most keys) start first. */
 enum { FA_ROWS = 64, FA_KEYS = 64, FA_THREADS = 128 };
 
+template <typename KT> struct PromptAttnArgs {
+    float *y;                   /* [T, ldy] output, heads side by side */
+    const float *q;             /* [T, ldq] queries, heads side by side */
+    const KT *kc, *vc;          /* [ctx, kw] the caches, the chunk's keys already appended */
+    int ldy, ldq, kw, hd;       /* row strides, cache row (kv heads * head_dim), head_dim */
+    int gl, T, pos;             /* query heads a kv head; the chunk's tokens and first position */
+    float scale;                /* 1 / sqrt(head_dim) */
+};
+
 __device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 
 /* Four 8x8 bf16 matrices from shared memory (lane l gives row l % 8 of matrix l / 8), optionally transposed. */
@@ -1172,10 +1181,11 @@ __device__ __forceinline__ uint4 load8_bf16(const bf16 *src, int n, bool vec) {
  * bf16 cache. Shared memory: Q, K, V tiles of 64 rows of HD + 8 bf16 (the 16-byte pad puts
  * the 8 rows an ldmatrix reads in different banks). */
 template <int HD>
-__global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(float *y, int ldy, const float *q, int ldq, const bf16 *kc,
-                                                               const bf16 *vc, int kw, int hd, int gl, int T, int pos,
-                                                               float scale_log2) {
+__global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(const __grid_constant__ PromptAttnArgs<bf16> a) {
     constexpr int LDS = HD + 8, NT = FA_KEYS / 8, DT = HD / 8;
+    const bf16 *kc = a.kc, *vc = a.vc;
+    int kw = a.kw, hd = a.hd, gl = a.gl, T = a.T, pos = a.pos;
+    float scale_log2 = a.scale * 1.4426950408889634f;
     extern __shared__ uint4 fa_sm[];
     bf16 *Qs = (bf16 *)fa_sm, *Ks = Qs + FA_ROWS * LDS, *Vs = Ks + FA_KEYS * LDS;
     int kvh = blockIdx.y, r0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS;
@@ -1187,7 +1197,7 @@ __global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(float *y, int ld
 #pragma unroll
     for (int k = 0; k < FA_ROWS * DT / FA_THREADS; k++) {   /* Q rows; past the last token, zeros */
         int i = threadIdx.x + k * FA_THREADS, r = i / DT, d = i % DT * 8, t = (r0 + r) / gl, h = kvh * gl + (r0 + r) % gl;
-        uint4 v = t < T ? load8_bf16(q + (size_t)t * ldq + h * hd + d, hd - d, vec && d < hd) : make_uint4(0, 0, 0, 0);
+        uint4 v = t < T ? load8_bf16(a.q + (size_t)t * a.ldq + h * hd + d, hd - d, vec && d < hd) : make_uint4(0, 0, 0, 0);
         *(uint4 *)&Qs[r * LDS + d] = v;
     }
     int ra = r0 + warp * 16 + g, rb = ra + 8;                         /* this lane's two rows */
@@ -1208,14 +1218,14 @@ __global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(float *y, int ld
         float s[NT][4] = {};
 #pragma unroll
         for (int k0 = 0; k0 < HD; k0 += 16) {
-            uint32_t a[4];
-            ldsm_x4<false>(a, &Qs[(warp * 16 + (lane & 15)) * LDS + k0 + (lane >> 4) * 8]);
+            uint32_t qa[4];
+            ldsm_x4<false>(qa, &Qs[(warp * 16 + (lane & 15)) * LDS + k0 + (lane >> 4) * 8]);
 #pragma unroll
             for (int n = 0; n < NT; n += 2) {
                 uint32_t b[4];
                 ldsm_x4<false>(b, &Ks[(n * 8 + (lane >> 4) * 8 + (lane & 7)) * LDS + k0 + (lane >> 3 & 1) * 8]);
-                mma_bf16(s[n], a, b[0], b[1]);
-                mma_bf16(s[n + 1], a, b[2], b[3]);
+                mma_bf16(s[n], qa, b[0], b[1]);
+                mma_bf16(s[n + 1], qa, b[2], b[3]);
             }
         }
         /* online softmax: m = running max (log2 units), l = running sum of this lane's terms */
@@ -1252,14 +1262,14 @@ __global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(float *y, int ld
         /* O += P V: S tiles 2kk, 2kk+1 are the A operand of keys 16kk .. 16kk+15 */
 #pragma unroll
         for (int kk = 0; kk < FA_KEYS / 16; kk++) {
-            uint32_t a[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                             pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            uint32_t pa[4] = {pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
+                              pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
             for (int d = 0; d < DT; d += 2) {
                 uint32_t b[4];
                 ldsm_x4<true>(b, &Vs[(kk * 16 + (lane >> 3 & 1) * 8 + (lane & 7)) * LDS + d * 8 + (lane >> 4) * 8]);
-                mma_bf16(o[d], a, b[0], b[1]);
-                mma_bf16(o[d + 1], a, b[2], b[3]);
+                mma_bf16(o[d], pa, b[0], b[1]);
+                mma_bf16(o[d + 1], pa, b[2], b[3]);
             }
         }
     }
@@ -1272,7 +1282,7 @@ __global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(float *y, int ld
     for (int i = 0; i < 2; i++) {
         int r = i ? rb : ra, t = r / gl, h = kvh * gl + r % gl;
         if (t >= T) continue;
-        float *out = y + (size_t)t * ldy + h * hd, inv = 1.0f / l[i];
+        float *out = a.y + (size_t)t * a.ldy + h * hd, inv = 1.0f / l[i];
 #pragma unroll
         for (int d = 0; d < DT; d++) {
             int col = d * 8 + 2 * c;
@@ -1429,11 +1439,13 @@ static void attn_decode(cudaStream_t stream, const AttnArgs<bf16> &a, int n_q) {
  * transformers. Block (token t, query head h), warp w takes keys w, w + 4, ... with an online softmax,
  * a lane holding NC = ceil(hd / 32) elements of a row; the four warps' (max, sum, acc) merge at the end. */
 template <int NC>
-__global__ void __launch_bounds__(128) attn_prompt_f32_kernel(float *y, int ldy, const float *q, int ldq, const float *kc,
-                                                             const float *vc, int kw, int hd, int gl, int pos, float scale) {
+__global__ void __launch_bounds__(128) attn_prompt_f32_kernel(const __grid_constant__ PromptAttnArgs<float> a) {
     pdl_wait();
-    int t = blockIdx.x, h = blockIdx.y, kvh = h / gl, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = pos + t + 1;
-    const float *qh = q + (size_t)t * ldq + h * hd;
+    const float *kc = a.kc, *vc = a.vc;
+    int kw = a.kw, hd = a.hd, t = blockIdx.x, h = blockIdx.y, kvh = h / a.gl, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int n = a.pos + t + 1;
+    float scale = a.scale;
+    const float *qh = a.q + (size_t)t * a.ldq + h * hd;
     float qv[NC], acc[NC] = {}, m = -INFINITY, l = 0;
 #pragma unroll
     for (int i = 0; i < NC; i++) qv[i] = lane + 32 * i < hd ? qh[lane + 32 * i] : 0.0f;
@@ -1456,34 +1468,32 @@ __global__ void __launch_bounds__(128) attn_prompt_f32_kernel(float *y, int ldy,
     float M = fmaxf(fmaxf(sm[0], sm[1]), fmaxf(sm[2], sm[3])), L = 0;
     for (int w = 0; w < 4; w++) if (sm[w] > -INFINITY) L += sl[w] * __expf(sm[w] - M);
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        float a = 0;
-        for (int w = 0; w < 4; w++) if (sm[w] > -INFINITY) a += sacc[w][i] * __expf(sm[w] - M);
-        y[(size_t)t * ldy + h * hd + i] = a / L;
+        float o = 0;
+        for (int w = 0; w < 4; w++) if (sm[w] > -INFINITY) o += sacc[w][i] * __expf(sm[w] - M);
+        a.y[(size_t)t * a.ldy + h * hd + i] = o / L;
     }
 }
 
-/* Prompt attention for T tokens from pos over n_kv local kv heads of gl query heads each, q: [T, ldq]
- * rows, heads side by side: the flash kernel from a bf16 cache, the fp32 one from an fp32 cache. */
-template <int HD> static void flash_attn_launch(cudaStream_t stream, float *y, int ldy, const float *q, int ldq, const bf16 *kc,
-                                               const bf16 *vc, int kw, int hd, int gl, int n_kv, int T, int pos, float scale) {
+/* Prompt attention for a.T tokens from a.pos over n_kv local kv heads of a.gl query heads each: the
+ * flash kernel from a bf16 cache, the fp32 one from an fp32 cache. */
+template <int HD> static void flash_attn_launch(cudaStream_t stream, const PromptAttnArgs<bf16> &a, int n_kv) {
     size_t smem = (size_t)(FA_ROWS + 2 * FA_KEYS) * (HD + 8) * sizeof(bf16);
     CUDA_CHECK(cudaFuncSetAttribute(flash_attn_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    LAUNCH(dim3(cdiv((long)T * gl, FA_ROWS), n_kv), FA_THREADS, smem, stream, flash_attn_kernel<HD>, y, ldy, q, ldq, kc, vc, kw,
-           hd, gl, T, pos, scale * 1.4426950408889634f);
+    LAUNCH(dim3(cdiv((long)a.T * a.gl, FA_ROWS), n_kv), FA_THREADS, smem, stream, flash_attn_kernel<HD>, a);
 }
 
-static void attn_prompt(cudaStream_t stream, float *y, int ldy, const float *q, int ldq, const bf16 *kc, const bf16 *vc, int kw,
-                        int hd, int gl, int n_kv, int T, int pos, float scale) {
+static void attn_prompt(cudaStream_t stream, const PromptAttnArgs<bf16> &a, int n_kv) {
+    int hd = a.hd;
     auto launch = hd <= 32 ? flash_attn_launch<32> : hd <= 64 ? flash_attn_launch<64> : hd <= 96 ? flash_attn_launch<96>
                 : hd <= 128 ? flash_attn_launch<128> : flash_attn_launch<256>;
-    launch(stream, y, ldy, q, ldq, kc, vc, kw, hd, gl, n_kv, T, pos, scale);
+    launch(stream, a, n_kv);
 }
 
-static void attn_prompt(cudaStream_t stream, float *y, int ldy, const float *q, int ldq, const float *kc, const float *vc, int kw,
-                        int hd, int gl, int n_kv, int T, int pos, float scale) {
+static void attn_prompt(cudaStream_t stream, const PromptAttnArgs<float> &a, int n_kv) {
+    int hd = a.hd;
     auto k = hd <= 32 ? attn_prompt_f32_kernel<1> : hd <= 64 ? attn_prompt_f32_kernel<2> : hd <= 128 ? attn_prompt_f32_kernel<4>
                                                                                        : attn_prompt_f32_kernel<8>;
-    LAUNCH(dim3(T, n_kv * gl), 128, 0, stream, k, y, ldy, q, ldq, kc, vc, kw, hd, gl, pos, scale);
+    LAUNCH(dim3(a.T, n_kv * a.gl), 128, 0, stream, k, a);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -1625,6 +1635,20 @@ template <int BF> __device__ __forceinline__ float row_dot(const char *row, cons
     return acc;
 }
 
+/* A matrix a one-token expert product reads, with its input. */
+typedef struct {
+    const void *w;              /* [rows, ld] bf16 or fp32; routed: every expert's, stacked, erows each */
+    const float *x;             /* [cols] input, 16-byte aligned; routed down: slot j's at x + j * xstep */
+    int ld, cols;               /* row stride (a multiple of 8), row length */
+} MoeIn;
+
+typedef struct {
+    MoeIn routed;               /* every expert's up_proj rows of this rank, stacked, on z */
+    int m, K;                   /* rows of one expert's (this rank's intermediate size), chosen slots */
+    MoeIn shared;               /* the shared expert's up_proj rows of this rank, on x */
+    int S;                      /* its rows */
+} MoeUp;
+
 /* Decode, every chosen expert's up product and the shared expert's in one launch. Virtual row r of
  * [S | K m] (S shared rows, m rows of each routed expert on this rank) is shared row r, on x, or row
  * i = (r - S) % m of the expert in slot j = (r - S) / m, on z (x, or fc1's latent):
@@ -1633,27 +1657,24 @@ template <int BF> __device__ __forceinline__ float row_dot(const char *row, cons
  * A warp a row. The shared rows, first, ask L2 for their weights before the wait; the routed rows
  * learn their expert after it (the router may be the kernel just before). */
 template <int BF>
-__global__ void __launch_bounds__(32 * GEMV_WARPS, 16) moe_up_kernel(float *h, const int *idx, const float *wt,
-                                                                    const void *eup, int ld_e, const float *z, int d, int m,
-                                                                    int K, const void *sup, int ld_s, const float *x, int H,
-                                                                    int S) {
+__global__ void __launch_bounds__(32 * GEMV_WARPS, 16) moe_up_kernel(float *h, const int *idx, const float *wt, MoeUp u) {
     constexpr int es = BF ? 2 : 4;
-    int lane = threadIdx.x & 31, r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    const char *row = r < S ? (const char *)sup + (size_t)r * ld_s * es : NULL;
-    if (r < S) l2_row(row, (size_t)H * es, lane, 32);
+    int lane = threadIdx.x & 31, r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), S = u.S, m = u.m;
+    const char *row = r < S ? (const char *)u.shared.w + (size_t)r * u.shared.ld * es : NULL;
+    if (r < S) l2_row(row, (size_t)u.shared.cols * es, lane, 32);
     pdl_wait();
-    if (r >= S + K * m) return;
-    const float *in = x;
-    int cols = H, at = K * pad8(m) + r;
+    if (r >= S + u.K * m) return;
+    const float *in = u.shared.x;
+    int cols = u.shared.cols, at = u.K * pad8(m) + r;
     float scale = 1.0f;
     if (r >= S) {
         int j = (r - S) / m, i = (r - S) - j * m;
-        row = (const char *)eup + ((size_t)idx[j] * m + i) * ld_e * es;
-        in = z;
-        cols = d;
+        row = (const char *)u.routed.w + ((size_t)idx[j] * m + i) * u.routed.ld * es;
+        in = u.routed.x;
+        cols = u.routed.cols;
         at = j * pad8(m) + i;
         scale = wt[j];
-        l2_row(row, (size_t)d * es, lane, 32);
+        l2_row(row, (size_t)cols * es, lane, 32);
     }
     float acc = warp_sum(row_dot<BF>(row, in, cols, lane, 32));
     if (lane == 0) {
@@ -1662,14 +1683,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) moe_up_kernel(float *h, c
     }
 }
 
-/* The inputs of a one-token down product: row i of it is the rows i of several matrices side by side
- * (the chosen experts', then the fixed ones), dotted with their inputs side by side. */
-typedef struct {
-    const void *w;              /* [rows, ld] bf16 or fp32; routed: every expert's, stacked, erows each */
-    const float *x;             /* [cols] input, 16-byte aligned; routed: slot j's at x + j * xstep */
-    int ld, cols;               /* row stride (a multiple of 8), row length */
-} MoeIn;
-
+/* The inputs of a one-token down product: row i of it is the rows i of several matrices (MoeIn) side
+ * by side (the chosen experts', then the fixed ones), dotted with their inputs side by side. */
 typedef struct {
     MoeIn routed;               /* the chosen experts' down_proj columns of this rank */
     int k, erows, xstep;        /* slots used (0: none), rows of one expert's matrix, see MoeIn.x */
@@ -2105,7 +2120,9 @@ template <typename KT> static void attend(Rank *r, GLayer *L, KT *kc, KT *vc, in
         attn_decode(g->stream, a, s->q);
         LAUNCH(s->q, 128, 0, g->stream, attn_combine_kernel, g->y, g->part, g->pos, hd, g->splits);
     } else {
-        attn_prompt(g->stream, g->y, qw, g->proj, w, kc, vc, kw, hd, s->q / s->kv, s->kv, T, pos, scale);
+        PromptAttnArgs<KT> a = {.y = g->y, .q = g->proj, .kc = kc, .vc = vc, .ldy = qw, .ldq = w, .kw = kw, .hd = hd,
+                                .gl = s->q / s->kv, .T = T, .pos = pos, .scale = scale};
+        attn_prompt(g->stream, a, s->kv);
     }
 }
 
@@ -2182,9 +2199,9 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
         z = g->moe_z;
     }
     if (T == 1) {
+        MoeUp up = {.routed = {L->eup.w, z, L->eup.ld, d}, .m = m, .K = K, .shared = {L->sup.w, g->x, L->sup.ld, ms->H}, .S = ms->S};
         LAUNCH(cdiv(ms->S + K * m, GEMV_WARPS), 32 * GEMV_WARPS, 0, g->stream, bf ? moe_up_kernel<1> : moe_up_kernel<0>, g->moe_h,
-               (const int *)g->moe_idx, (const float *)g->moe_w, L->eup.w, L->eup.ld, z, d, m, K, L->sup.w, L->sup.ld,
-               (const float *)g->x, ms->H, ms->S);
+               (const int *)g->moe_idx, (const float *)g->moe_w, up);
         MoeIn routed = {L->edown.w, g->moe_h, L->edown.ld, m}, shared = {L->sdown.w, g->moe_h + (size_t)K * mp, L->sdown.ld, ms->S};
         if (ms->lat) {
             MoeIn fc2 = {L->lat_out.w, g->moe_ylat, L->lat_out.ld, ms->lat};

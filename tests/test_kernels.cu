@@ -389,7 +389,9 @@ template <typename KT> static void test_prompt_attention(int q, int kv, int hd, 
     CUDA_CHECK(cudaMemcpy(d_pos, &pos, sizeof(int), cudaMemcpyHostToDevice));
     float scale = 1.0f / sqrtf((float)hd);
     LAUNCH(T, 256, 0, 0, kv_append_kernel<KT>, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
-    attn_prompt(0, d_y, q * hd, d_qkv, w, d_k, d_v, kw, hd, gl, kv, T, pos, scale);
+    PromptAttnArgs<KT> a = {.y = d_y, .q = d_qkv, .kc = d_k, .vc = d_v, .ldy = q * hd, .ldq = w, .kw = kw, .hd = hd, .gl = gl,
+                            .T = T, .pos = pos, .scale = scale};
+    attn_prompt(0, a, kv);
     for (int t = 0; t < T; t++)
         for (int i = 0; i < kw; i++) {
             kc[(size_t)(pos + t) * kw + i] = qkv[(size_t)t * w + q * hd + i];
@@ -781,7 +783,9 @@ static void time_prompt_attention(int q, int kv, int hd, int pos, int T) {
     int kw = kv * hd, w = q * hd + 2 * kw;
     bf16 *d_k = dev_copy_as<bf16>(rand_vec((size_t)(pos + T) * kw)), *d_v = dev_copy_as<bf16>(rand_vec((size_t)(pos + T) * kw));
     float *d_qkv = dev_copy(rand_vec((size_t)T * w)), *d_y = dev_copy(std::vector<float>((size_t)T * q * hd));
-    float us = time_us(0, 5, [&] { attn_prompt(0, d_y, q * hd, d_qkv, w, d_k, d_v, kw, hd, q / kv, kv, T, pos, 0.088f); });
+    PromptAttnArgs<bf16> a = {.y = d_y, .q = d_qkv, .kc = d_k, .vc = d_v, .ldy = q * hd, .ldq = w, .kw = kw, .hd = hd, .gl = q / kv,
+                              .T = T, .pos = pos, .scale = 0.088f};
+    float us = time_us(0, 5, [&] { attn_prompt(0, a, kv); });
     double pairs = (double)q * T * (pos + (T + 1) / 2.0);
     printf("# prompt attention q %d / kv %d, head %d, %d tokens from %d: %.1f us, %.0f TFLOP/s\n", q, kv, hd, T, pos, us,
            pairs * 4 * hd / (us * 1e6));
