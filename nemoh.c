@@ -591,9 +591,7 @@ static int cpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t s
     if (id < 0 && r->s.rank == 0) {   /* one rank speaks; the others wait for the exit */
         if (sh->bad < 0) die("non-finite logits: the final norm or lm_head made them (every layer's output is finite)");
         if (sh->bad == c->n_layers) die("non-finite logits: the embedding of a prompt token is not finite");
-        char k = c->kind[sh->bad];
-        die("non-finite logits: layer %d (%s) is the first whose output is not finite", sh->bad,
-            k == K_MAMBA ? "mamba" : k == K_ATTN ? "attention" : k == K_MLP ? "mlp" : "moe");
+        die("non-finite logits: layer %d (%s) is the first whose output is not finite", sh->bad, kind_name(c->kind[sh->bad]));
     }
     return id;
 }
@@ -656,9 +654,7 @@ static const Backend cpu_backend = {
 /* --trace: what layer l's entry does with the partial sums the layer before it left. */
 static void trace_layer(const Rank *r, int l, int how) {
     if (!r->trace || r->s.rank != 0) return;
-    const char kind = r->c->kind[l];
-    fprintf(stderr, "layer %3d  %-6s %-44s pending in: %s\n", l,
-            kind == K_MAMBA ? "mamba" : kind == K_ATTN ? "attn" : kind == K_MLP ? "mlp" : "moe",
+    fprintf(stderr, "layer %3d  %-9s %-44s pending in: %s\n", l, kind_name(r->c->kind[l]),
             how == NORM_PLAIN ? "rmsnorm" : how == NORM_FUSED ? "fused all-reduce + add + rmsnorm" : "add + rmsnorm",
             how == NORM_PLAIN ? "no" : how == NORM_FUSED ? "yes (reduced here)" : "yes (reduced at last layer's end)");
     if (l == r->c->n_layers - 1)

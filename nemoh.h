@@ -203,6 +203,8 @@ int cuda_bench_allreduce(int n, int hidden);    /* --bench-allreduce; returns th
 
 /* 1 if some layer of the model is of kind k (K_MAMBA, ...). */
 static inline int has_kind(const Config *c, char k) { return memchr(c->kind, k, (size_t)c->n_layers) != NULL; }
+/* A layer kind's name, in messages and --trace. */
+static inline const char *kind_name(char k) { return k == K_MAMBA ? "mamba" : k == K_ATTN ? "attention" : k == K_MLP ? "mlp" : "moe"; }
 
 /* Stored elements to fp32: bf16 is the top half of an fp32; f16 is widened by its fields. */
 static inline float bf16_to_f32(uint16_t b) {

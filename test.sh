@@ -323,7 +323,7 @@ nl=$(grep -c '^layer' <<< "$tr"); nf=$(grep -c 'fused all-reduce' <<< "$tr")
 tr=$(./nemoh -m tests/fixtures/tiny-moe-bf16 --ids "1 2 3" -n 2 --tp 2 --trace --cpu 2>&1 >/dev/null)
 got=$(grep '^layer' <<< "$tr" | awk '{print $3}' | tr '\n' ' ')
 nm=$(grep -c '^layer .* moe .*fused all-reduce' <<< "$tr")
-[ "$got" = "moe mlp mamba attn moe mamba moe " ] && [ "$nm" -eq 2 ] && grep -q '^final .*plain all-reduce' <<< "$tr" \
+[ "$got" = "moe mlp mamba attention moe mamba moe " ] && [ "$nm" -eq 2 ] && grep -q '^final .*plain all-reduce' <<< "$tr" \
     && pass "--trace on an MoE model: every layer's kind, moe partial sums reduced at the next entry" \
     || fail "--trace on an MoE model: every layer's kind, moe partial sums reduced at the next entry" "$tr"
 
