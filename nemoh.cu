@@ -969,7 +969,7 @@ static void ssd_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Kernels: attention (no positional encoding, causal, GQA)
+ * Kernels: attention (no positional encoding, causal, GQA): the cache, decode from an fp32 cache
  * ---------------------------------------------------------------------------------------------- */
 
 /* A cache element from fp32: KT is float or bf16 (round to nearest even). */
@@ -1111,7 +1111,8 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(float *y, const float
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Kernels: prompt attention, flash attention on the tensor cores (no score matrix in memory)
+ * Kernels: attention on the tensor cores: a prompt (flash attention, no score matrix in memory), and
+ * one query from a bf16 cache
  * ---------------------------------------------------------------------------------------------- */
 
 /* A prompt chunk of T tokens at positions pos .. pos+T-1 attends to the cache's keys 0 .. pos+t (its own
