@@ -135,6 +135,7 @@ typedef struct {
     float *norm_f;              /* [hidden] */
     float *res;                 /* [t_max, hidden] residual stream */
     float *x;                   /* [t_max, hidden] normed mixer input */
+    bf16 *x16;                  /* [t_max, hidden] x in bf16, written with it for a prompt: its bf16 products' input */
     /* The pending protocol: a mixer's partial sums on their way into the residual (all named pend_*).
      *   mixer           writes pend's slot pend_slot;  pend_owed = that slot
      *   NORM_FUSED      res += every rank's slot (fused kernel), or pend_allreduce, NORM_ADD;  pend_slot ^= 1
@@ -239,8 +240,9 @@ __device__ __forceinline__ void norm_weight(float (&wv)[NORM_PER], const float *
 }
 
 /* Row t: x[t] = v * rsqrt(mean(v^2) + eps) * wv, where this thread holds its part of the row in v
- * (ss: its sum of v^2); the row itself into r (row t of the residual) as well, if keep. */
-__device__ __forceinline__ void norm_store(float *x, float *r, int keep, size_t t, const float (&v)[NORM_PER], float ss,
+ * (ss: its sum of v^2), and in bf16 into x16[t] (if x16: a prompt's products read it, with no
+ * conversion pass of their own); the row itself into r (row t of the residual) as well, if keep. */
+__device__ __forceinline__ void norm_store(float *x, bf16 *x16, float *r, int keep, size_t t, const float (&v)[NORM_PER], float ss,
                                            const float (&wv)[NORM_PER], int H, float eps) {
     float scale = rsqrtf(block_sum(ss) / H + eps);
 #pragma unroll
@@ -248,14 +250,16 @@ __device__ __forceinline__ void norm_store(float *x, float *r, int keep, size_t 
         int i = threadIdx.x + k * NORM_THREADS;
         if (i < H) {
             if (keep) r[i] = v[k];
-            x[t * H + i] = v[k] * scale * wv[k];
+            float o = v[k] * scale * wv[k];
+            x[t * H + i] = o;
+            if (x16) x16[t * H + i] = __float2bfloat16(o);
         }
     }
 }
 
-/* res[t] += add[t] (if add); x[t] = res[t] * rsqrt(mean(res[t]^2) + eps) * w */
-__global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, float *res, const float *add, const float *w, int H,
-                                                              float eps) {
+/* res[t] += add[t] (if add); x[t] = res[t] * rsqrt(mean(res[t]^2) + eps) * w (and x16[t], if x16) */
+__global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, bf16 *x16, float *res, const float *add, const float *w,
+                                                              int H, float eps) {
     float wv[NORM_PER];
     norm_weight(wv, w, H);
     pdl_wait();
@@ -266,7 +270,7 @@ __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, float *
         v[k] = i < H ? r[i] + (add ? add[(size_t)blockIdx.x * H + i] : 0.0f) : 0.0f;
         ss += v[k] * v[k];
     }
-    norm_store(x, r, add != NULL, blockIdx.x, v, ss, wv, H, eps);
+    norm_store(x, x16, r, add != NULL, blockIdx.x, v, ss, wv, H, eps);
 }
 
 /* The fused all-reduce + residual add + RMSNorm, at a layer's entry:
@@ -281,6 +285,7 @@ typedef struct {
     ncclWindow_t win;           /* every rank's pend, as a symmetric window */
     size_t offset;              /* bytes into the window of the slot to reduce */
     float *x, *res;             /* [T, hidden] normed output; residual, updated */
+    bf16 *x16;                  /* [T, hidden] the normed output in bf16 as well (NULL: not) */
     const float *w;             /* [hidden] norm weight */
     int T, hidden;
     float eps;
@@ -319,7 +324,7 @@ __global__ void __launch_bounds__(NORM_THREADS) fused_allreduce_norm_kernel(cons
             v[k] += rv[k];   /* res + (sum of the ranks), as ncclAllReduce then an add would give */
             ss += v[k] * v[k];
         }
-        norm_store(a.x, r, 1, t, v, ss, wv, H, a.eps);
+        norm_store(a.x, a.x16, r, 1, t, v, ss, wv, H, a.eps);
     }
 }
 
@@ -328,11 +333,28 @@ static void fused_allreduce_norm(cudaStream_t stream, const FusedArgs &a) {
     LAUNCH(a.T < FUSED_BLOCKS ? a.T : FUSED_BLOCKS, NORM_THREADS, 0, stream, fused_allreduce_norm_kernel, a);
 }
 
-/* out = bf16(in), row by row: [T, cols] with row strides ldi, ldo */
-__global__ void to_bf16_kernel(bf16 *out, int ldo, const float *in, int ldi, int cols) {
+/* out = bf16(f(in)), f(v) = v or (RELU2) relu(v)^2, a block a row: [T, cols] with row strides ldi,
+ * ldo; 8 elements a thread where both rows are 16-byte aligned. relu^2 is applied here, in fp32, as
+ * a bf16 model's prompt hands up's output to down: no pass of its own over the fp32 rows. */
+template <int RELU2> __global__ void to_bf16_kernel(bf16 *out, int ldo, const float *in, int ldi, int cols) {
     pdl_wait();
     const float *src = in + (size_t)blockIdx.x * ldi;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(size_t)blockIdx.x * ldo + i] = __float2bfloat16(src[i]);
+    bf16 *dst = out + (size_t)blockIdx.x * ldo;
+    auto f = [](float v) {
+        if (RELU2) { v = fmaxf(v, 0.0f); v *= v; }
+        return v;
+    };
+    int done = 0;
+    if (((uintptr_t)src | (uintptr_t)dst) % 16 == 0) {
+        done = cols / 8 * 8;
+        for (int i = threadIdx.x * 8; i < done; i += blockDim.x * 8) {
+            float4 a = *(const float4 *)(src + i), b = *(const float4 *)(src + i + 4);
+            __nv_bfloat162 r[4] = {__floats2bfloat162_rn(f(a.x), f(a.y)), __floats2bfloat162_rn(f(a.z), f(a.w)),
+                                   __floats2bfloat162_rn(f(b.x), f(b.y)), __floats2bfloat162_rn(f(b.z), f(b.w))};
+            *(uint4 *)(dst + i) = *(const uint4 *)r;
+        }
+    }
+    for (int i = done + threadIdx.x; i < cols; i += blockDim.x) dst[i] = __float2bfloat16(f(src[i]));
 }
 
 /* x = relu(x)^2 */
@@ -745,13 +767,15 @@ static void ssm_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc
 #undef SCAN
 }
 
-/* u = y * silu(z), then RMSNorm over each group of gsize channels, times w: one block per (t, group),
- * its gsize <= GN_PER * blockDim values held in registers (see gated_norm_threads), so the loads of y,
- * z and w are all in flight together. */
+/* u = y * silu(z), then RMSNorm over each group of gsize channels, times w, into out (fp32: y itself;
+ * bf16: the input of a bf16 out_proj): one block per (t, group), its gsize <= GN_PER * blockDim
+ * values held in registers (see gated_norm_threads), so the loads of y, z and w are all in flight
+ * together. */
 enum { GN_PER = 8 };
 
-__global__ void __launch_bounds__(1024) gated_norm_kernel(float *y, const float *z, int ldz, const float *w, int di,
-                                                          int gsize, float eps) {
+template <typename OT>
+__global__ void __launch_bounds__(1024) gated_norm_kernel(OT *out, int ldo, const float *y, const float *z, int ldz, const float *w,
+                                                          int di, int gsize, float eps) {
     int t = blockIdx.x / (di / gsize), g = blockIdx.x % (di / gsize);
     float wv[GN_PER], u[GN_PER], ss = 0;
 #pragma unroll
@@ -760,7 +784,8 @@ __global__ void __launch_bounds__(1024) gated_norm_kernel(float *y, const float 
         wv[k] = i < gsize ? w[g * gsize + i] : 0.0f;
     }
     pdl_wait();
-    float *yr = y + (size_t)t * di + g * gsize;
+    const float *yr = y + (size_t)t * di + g * gsize;
+    OT *o = out + (size_t)t * ldo + g * gsize;
     const float *zr = z + (size_t)t * ldz + g * gsize;
 #pragma unroll
     for (int k = 0; k < GN_PER; k++) {
@@ -773,7 +798,7 @@ __global__ void __launch_bounds__(1024) gated_norm_kernel(float *y, const float 
 #pragma unroll
     for (int k = 0; k < GN_PER; k++) {
         int i = threadIdx.x + k * blockDim.x;
-        if (i < gsize) yr[i] = u[k] * scale * wv[k];
+        if (i < gsize) o[i] = (OT)(u[k] * scale * wv[k]);
     }
 }
 
@@ -1949,6 +1974,23 @@ static void blas_gemm(GpuRank *g, float *out, int ldo, const void *act, int lda,
                               ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+/* A prompt's input to a product with W, in W's dtype: x itself (fp32); for bf16 (cuBLAS multiplies
+ * bf16 by bf16) the norm's x16 if x is the norm's output, else x converted into act16. Its row
+ * stride into *lda. */
+static const void *gemm_input(GpuRank *g, const float *x, int ldx, int T, const GMat *W, int *lda) {
+    *lda = ldx;
+    if (!W->bf) return x;
+    if (x == g->x) return g->x16;
+    LAUNCH(T, 256, 0, g->stream, to_bf16_kernel<0>, g->act16, g->act_w, x, ldx, W->cols);
+    *lda = g->act_w;
+    return g->act16;
+}
+
+/* out = act W^T for T rows of act, which is in W's dtype already. */
+static void gemm(GpuRank *g, float *out, int ldo, const void *act, int lda, int T, const GMat *W) {
+    blas_gemm(g, out, ldo, act, lda, T, W->w, W->bf, W->rows, W->cols, W->ld, 0.0f);
+}
+
 /* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2, or at T = 1
  * the group scale gs (EPI_GNORM). At T = 1 the last wave then warms L2 for `next`, the product that
  * follows. */
@@ -1965,14 +2007,9 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
         LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, kernels[W->bf][epi], a);
         return;
     }
-    const void *act = x;
-    int lda = ldx;
-    if (W->bf) {   /* cuBLAS multiplies bf16 by bf16: the activations converted once */
-        LAUNCH(T, 256, 0, g->stream, to_bf16_kernel, g->act16, g->act_w, x, ldx, W->cols);
-        act = g->act16;
-        lda = g->act_w;
-    }
-    blas_gemm(g, out, ldo, act, lda, T, W->w, W->bf, W->rows, W->cols, W->ld, 0.0f);
+    int lda;
+    const void *act = gemm_input(g, x, ldx, T, W, &lda);
+    gemm(g, out, ldo, act, lda, T, W);
     if (epi == EPI_RELU2) {  /* over the T dense rows (only asked for with ldo == rows) */
         LAUNCH(cdiv((long)T * W->rows, 256), 256, 0, g->stream, relu2_kernel, out, (size_t)T * W->rows);
     }
@@ -2045,9 +2082,10 @@ static void gpu_norm(Rank *r, int l, int how, int T) {
     GpuRank *g = gpu_rank(r);
     const Config *c = r->c;
     const float *w = l < c->n_layers ? g->L[l].norm : g->norm_f;
+    bf16 *x16 = T > 1 ? g->x16 : NULL;
     if (how == NORM_FUSED && g->pend.devapi) {
         size_t off = (size_t)g->pend_slot * r->t_max * c->hidden * sizeof(float);
-        FusedArgs a = {.dev = g->pend.dev, .win = g->pend.win, .offset = off, .x = g->x, .res = g->res, .w = w, .T = T,
+        FusedArgs a = {.dev = g->pend.dev, .win = g->pend.win, .offset = off, .x = g->x, .res = g->res, .x16 = x16, .w = w, .T = T,
                        .hidden = c->hidden, .eps = c->eps};
         fused_allreduce_norm(g->stream, a);
         g->pend_slot ^= 1;
@@ -2057,7 +2095,8 @@ static void gpu_norm(Rank *r, int l, int how, int T) {
         pend_allreduce(r, T);
         g->pend_slot ^= 1;
     }
-    LAUNCH(T, NORM_THREADS, 0, g->stream, rmsnorm_kernel, g->x, g->res, how == NORM_PLAIN ? NULL : g->pend_owed, w, c->hidden, c->eps);
+    LAUNCH(T, NORM_THREADS, 0, g->stream, rmsnorm_kernel, g->x, x16, g->res, how == NORM_PLAIN ? NULL : g->pend_owed, w, c->hidden,
+           c->eps);
 }
 
 static void gpu_allreduce(Rank *r, int T) {
@@ -2099,8 +2138,14 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
         ssm_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
                  s->groups, di, L->out.w, T == 1 ? warm_bytes(&L->out) : 0, fold ? L->gnorm : NULL, fold ? g->gss : NULL);
     GroupScale gs = {g->gss, s->m_heads / s->groups * scan_blocks(c->m_hdim, N), gsize, c->eps};
+    dim3 gn_grid(T * s->groups), gn_block(gated_norm_threads(gsize));
+    if (T > 1 && L->out.bf) {   /* a bf16 prompt: the gated norm writes out_proj's bf16 input itself */
+        LAUNCH(gn_grid, gn_block, 0, g->stream, gated_norm_kernel<bf16>, g->act16, g->act_w, g->y, g->proj, in, L->gnorm, di, gsize, c->eps);
+        gemm(g, pend_out(r), H, g->act16, g->act_w, T, &L->out);
+        return;
+    }
     if (!fold) {
-        LAUNCH(T * s->groups, gated_norm_threads(gsize), 0, g->stream, gated_norm_kernel, g->y, g->proj, in, L->gnorm, di, gsize, c->eps);
+        LAUNCH(gn_grid, gn_block, 0, g->stream, gated_norm_kernel<float>, g->y, di, g->y, g->proj, in, L->gnorm, di, gsize, c->eps);
     }
     matmul(g, pend_out(r), H, g->y, di, T, &L->out, fold ? EPI_GNORM : EPI_NONE, first_product(g, c, l + 1), &gs);
 }
@@ -2138,12 +2183,26 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
     matmul(g, pend_out(r), H, g->y, qw, T, &L->o, EPI_NONE, first_product(g, c, l + 1), NULL);
 }
 
+/* out = down relu(up x)^2 for T tokens of x (an MLP layer, a shared expert); at T = 1 down's last
+ * wave warms L2 for `next`. A bf16 prompt applies relu^2 as it converts up's output for down. */
+static void relu2_mlp(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *up, const GMat *down,
+                      const GMat *next) {
+    if (T > 1 && up->bf) {
+        int lda;
+        const void *a = gemm_input(g, x, ldx, T, up, &lda);
+        gemm(g, g->proj, up->rows, a, lda, T, up);
+        LAUNCH(T, 256, 0, g->stream, to_bf16_kernel<1>, g->act16, g->act_w, (const float *)g->proj, up->rows, up->rows);
+        gemm(g, out, ldo, g->act16, g->act_w, T, down);
+        return;
+    }
+    matmul(g, g->proj, up->rows, x, ldx, T, up, EPI_RELU2, down, NULL);
+    matmul(g, out, ldo, g->proj, up->rows, T, down, EPI_NONE, next, NULL);
+}
+
 static void gpu_mlp(Rank *r, int l, int T) {
     GpuRank *g = gpu_rank(r);
     GLayer *L = &g->L[l];
-    int H = r->c->hidden, m = r->s.mlp;
-    matmul(g, g->proj, m, g->x, H, T, &L->up, EPI_RELU2, &L->down, NULL);
-    matmul(g, pend_out(r), H, g->proj, m, T, &L->down, EPI_NONE, first_product(g, r->c, l + 1), NULL);
+    relu2_mlp(g, pend_out(r), r->c->hidden, g->x, r->c->hidden, T, &L->up, &L->down, first_product(g, r->c, l + 1));
 }
 
 /* ---- the mixture-of-experts layer ---- */
@@ -2219,21 +2278,21 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
     CUDA_CHECK(cudaMemcpyAsync(g->host_off, g->moe_off, (ms->E + 1) * sizeof(int), cudaMemcpyDeviceToHost, g->stream));
     LAUNCH(TK, 256, 0, g->stream, moe_gather_kernel, g->moe_act, bf, la, z, d, (const int *)g->moe_tok, d);
     /* the shared expert first: out = sdown relu(sup x)^2; the routed sum is added to it */
-    matmul(g, g->proj, ms->S, g->x, ms->H, T, &L->sup, EPI_RELU2, NULL, NULL);
-    matmul(g, out, ms->H, g->proj, ms->S, T, &L->sdown, EPI_NONE, NULL, NULL);
+    relu2_mlp(g, out, ms->H, g->x, ms->H, T, &L->sup, &L->sdown, NULL);
     CUDA_CHECK(cudaStreamSynchronize(g->stream));   /* host_off: the experts' rows */
     const int *off = g->host_off;
     for (int e = 0; e < ms->E; e++)
         if (off[e + 1] > off[e])
             blas_gemm(g, g->moe_h + (size_t)off[e] * m, m, (const char *)g->moe_act + (size_t)off[e] * la * es, la, off[e + 1] - off[e],
                      (const char *)L->eup.w + (size_t)e * m * L->eup.ld * es, bf, m, d, L->eup.ld, 0.0f);
-    LAUNCH(cdiv((long)TK * m, 256), 256, 0, g->stream, relu2_kernel, g->moe_h, (size_t)TK * m);
-    const void *h = g->moe_h;
+    const void *h = g->moe_h;   /* relu^2: in place (fp32), or as the rows are converted for down (bf16) */
     int ldh = m;
     if (bf) {
-        LAUNCH(TK, 256, 0, g->stream, to_bf16_kernel, (bf16 *)g->moe_act, la, (const float *)g->moe_h, m, m);
+        LAUNCH(TK, 256, 0, g->stream, to_bf16_kernel<1>, (bf16 *)g->moe_act, la, (const float *)g->moe_h, m, m);
         h = g->moe_act;
         ldh = la;
+    } else {
+        LAUNCH(cdiv((long)TK * m, 256), 256, 0, g->stream, relu2_kernel, g->moe_h, (size_t)TK * m);
     }
     for (int e = 0; e < ms->E; e++)
         if (off[e + 1] > off[e])
@@ -2245,7 +2304,7 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
         const void *a = g->moe_ylat;
         int lda = ms->lat;
         if (bf) {
-            LAUNCH(T, 256, 0, g->stream, to_bf16_kernel, (bf16 *)g->moe_act, la, (const float *)g->moe_ylat, ms->lat, ms->lat);
+            LAUNCH(T, 256, 0, g->stream, to_bf16_kernel<0>, (bf16 *)g->moe_act, la, (const float *)g->moe_ylat, ms->lat, ms->lat);
             a = g->moe_act;
             lda = la;
         }
@@ -2483,7 +2542,7 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g) {
         size_t TK = T * c->top_k, d = c->latent ? c->latent : H, la = pad8(std::max((int)d, s->moe));
         b += TK * (3 + la + s->moe + d) * f + T * ((size_t)c->n_experts + 2 * c->latent) * f;
     }
-    b += T * H * f * 5 + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
+    b += T * H * (f * 5 + 2) + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
     b += (size_t)gpu_shared((Rank *)r)->logit_rows * (c->vocab + s->vocab) * f + (64u << 20);  /* + cuBLAS workspace */
     return b;
 }
@@ -2610,6 +2669,7 @@ static void gpu_init(Rank *r) {
                         "GPUs): the fused all-reduce falls back to ncclAllReduce + add + RMSNorm\n");
     g->res = zeros(T * H);
     g->x = zeros(T * H);
+    CUDA_CHECK(cudaMalloc(&g->x16, T * H * sizeof(bf16)));
     g->pend_sum = zeros(T * H);
     g->proj = zeros(T * g->proj_w);
     g->xbc = zeros(T * (s->conv ? s->conv : 1));
@@ -2642,7 +2702,7 @@ static void gpu_free(Rank *r) {
                         gl->edown.w, gl->sup.w, gl->sdown.w, gl->lat_in.w, gl->lat_out.w};
         for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     }
-    void *ptrs[] = {g->embed, g->lm_head.w, g->norm_f, g->res, g->x, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part,
+    void *ptrs[] = {g->embed, g->lm_head.w, g->norm_f, g->res, g->x, g->x16, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part,
                     g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
@@ -2830,7 +2890,7 @@ static void ar_rank(ArBench *b) {
                     fused_allreduce_norm(st, a);
                 } else {
                     NCCL_CHECK(ncclAllReduce(pend + s * slot, red, cnt, ncclFloat, ncclSum, b->comm, st));
-                    LAUNCH(T, NORM_THREADS, 0, st, rmsnorm_kernel, x, res, red, w, H, 1e-5f);
+                    LAUNCH(T, NORM_THREADS, 0, st, rmsnorm_kernel, x, (bf16 *)NULL, res, red, w, H, 1e-5f);
                 }
             }
             CUDA_CHECK(cudaStreamEndCapture(st, &graph));
