@@ -1,8 +1,11 @@
-"""Adds up a tools/kernel_trace.c trace per kernel over the last N single-token steps.
+"""Adds up a tools/kernel_trace.c trace per kernel over the last N single-token steps, or the last
+prompt.
 
     python3 tools/kernel_trace.py trace.txt [N]
+    python3 tools/kernel_trace.py trace.txt prefill
 
-A step runs from one single-token embedding (embed_kernel with gridY 1) to the next. Kernels overlap
+A step runs from one single-token embedding (embed_kernel with gridY 1) to the next; the prompt from
+its embedding (gridY: its tokens) to the next embedding. Kernels overlap
 (programmatic dependent launch), so each record is charged what it added to the step's timeline: its
 end minus the latest end before it (0 if it ended under an earlier one); idle time, such as the host's
 turn between steps, goes to the record after it. The charges of a step add up to its length.
@@ -29,8 +32,12 @@ for line in open(sys.argv[1]):
         recs.append((int(f[1]), int(f[2]), "memcpy " + {"1": "HtoD", "2": "DtoH", "8": "DtoD"}.get(f[3], f[3]), 0, 0))
 recs.sort()
 embeds = [i for i, r in enumerate(recs) if r[2] == "embed_kernel" and r[4] == 1]
-n = int(sys.argv[2]) if len(sys.argv) > 2 else 64
-steps = list(zip(embeds, embeds[1:]))[-n:]
+arg = sys.argv[2] if len(sys.argv) > 2 else "64"
+if arg == "prefill":
+    a = [i for i, r in enumerate(recs) if r[2] == "embed_kernel" and r[4] > 1][-1]
+    steps = [(a, next(i for i in range(a + 1, len(recs)) if recs[i][2] == "embed_kernel"))]
+else:
+    steps = list(zip(embeds, embeds[1:]))[-int(arg):]
 charge, count, busy = collections.defaultdict(float), collections.defaultdict(int), collections.defaultdict(float)
 total = 0.0
 for a, b in steps:
