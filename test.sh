@@ -107,10 +107,12 @@ refuse() {
     if [ $rc -eq 1 ] && [ "$(printf '%s\n' "$err" | wc -l)" -eq 1 ] && [[ "$err" == *"$expect"* ]]; then pass "$name"
     else fail "$name" "exit $rc, expected 1 and one line containing \"$expect\":"$'\n'"$err"; fi
 }
-# refuse_run NAME EXPECT CMD...: the same for an error while generating, after the "loaded" line
+# refuse_run NAME EXPECT STDOUT CMD...: the same for an error while generating, after the "loaded"
+# line, with CMD's stdout sent to the file STDOUT ("-": closed)
 refuse_run() {
-    local name=$1 expect=$2; shift 2
-    refuse "$name" "$expect" bash -c '"$@" 2>&1 >/dev/null | grep -v "^nemoh: loaded " >&2; exit ${PIPESTATUS[0]}' bash "$@"
+    local name=$1 expect=$2 out=$3; shift 3
+    refuse "$name" "$expect" bash -c 'o=$1; shift; if [ "$o" = - ]; then "$@" 2>&1 >&-; else "$@" 2>&1 >"$o"; fi |
+        grep -v "^nemoh: loaded " >&2; exit ${PIPESTATUS[0]}' bash "$out" "$@"
 }
 for bin in ./nemoh "$ASAN"; do
     tag=$([ "$bin" = ./nemoh ] && echo cpu || echo asan)
@@ -119,7 +121,7 @@ for bin in ./nemoh "$ASAN"; do
         for d in "$T/$set"/*; do
             [[ $(basename "$d") == good* ]] && continue
             if [ -e "$d/at-run" ]; then   # the CPU backend names the layer (the GPU's check: below)
-                refuse_run "$tag bad input: $(basename "$d")" "$(cat "$d/expect")" "$bin" -m "$d" --ids "1 2" -n 1 --cpu
+                refuse_run "$tag bad input: $(basename "$d")" "$(cat "$d/expect")" /dev/null "$bin" -m "$d" --ids "1 2" -n 1 --cpu
             else
                 refuse "$tag bad input: $(basename "$d")" "$(cat "$d/expect")" "$bin" -m "$d" --ids "1 2" -n 1
             fi
@@ -266,14 +268,8 @@ out=$(printf 'hello there\n' | ./nemoh --cpu -m tests/fixtures/chat/nano-v2 --ch
     || fail "a chat reply that fills the context says so" "exit $rc: $out"
 
 # stdout: a full disk, a closed stdout, a broken pipe (SIGPIPE ignored: one line; as it comes: the signal)
-# refuse_out NAME EXPECT STDOUT CMD...: refuse_run with CMD's stdout sent to the file STDOUT ("-": closed)
-refuse_out() {
-    local name=$1 expect=$2 out=$3; shift 3
-    refuse "$name" "$expect" bash -c 'o=$1; shift; if [ "$o" = - ]; then "$@" 2>&1 >&-; else "$@" 2>&1 >"$o"; fi |
-        grep -v "^nemoh: loaded " >&2; exit ${PIPESTATUS[0]}' bash "$out" "$@"
-}
-refuse_out "bad input: stdout on a full disk (/dev/full)" "stdout: write failed: No space left on device" /dev/full ./nemoh --cpu -m $d --ids "1 2" -n 5
-refuse_out "bad input: stdout closed" "stdout is closed" - ./nemoh --cpu -m $d --ids "1 2" -n 5
+refuse_run "bad input: stdout on a full disk (/dev/full)" "stdout: write failed: No space left on device" /dev/full ./nemoh --cpu -m $d --ids "1 2" -n 5
+refuse_run "bad input: stdout closed" "stdout is closed" - ./nemoh --cpu -m $d --ids "1 2" -n 5
 ./nemoh -m tests/fixtures/chat/chatml --chat "Hello there" -t 0 -n 8 --cpu </dev/null >/dev/full 2>"$T/chatfull.err"; rc=$?
 err=$(grep -v '^nemoh: \(loaded\|turn\)' "$T/chatfull.err")
 [ $rc -eq 1 ] && [ "$err" = "nemoh: stdout: write failed: No space left on device" ] && pass "bad input: a chat reply to a full disk: one line, exit 1" \
@@ -391,7 +387,7 @@ else
     refuse "GPU bad input: NEMOH_FAKE_CC not MAJOR.MINOR" "NEMOH_FAKE_CC=ampere: expected MAJOR.MINOR" \
         env NEMOH_FAKE_CC=ampere ./nemoh -m tests/fixtures/tiny-f32 --ids 1 -n 1
     for d in "$T"/bad/*; do   # NaN / Inf weights: the sampler kernel flags the logits
-        [ -e "$d/at-run" ] && refuse_run "GPU bad input: $(basename "$d")" "non-finite logits" ./nemoh -m "$d" --ids "1 2" -n 1
+        [ -e "$d/at-run" ] && refuse_run "GPU bad input: $(basename "$d")" "non-finite logits" /dev/null ./nemoh -m "$d" --ids "1 2" -n 1
     done
 fi
 
