@@ -173,7 +173,7 @@ typedef struct {
     float *moe_z, *moe_ylat;    /* [t_max, latent] fc1 output; weighted routed sum before fc2 */
     int moe_lda;                /* row stride of moe_act: max(d, moe) rounded up to 8 */
     int rows;                   /* logits rows the last step wrote */
-    int proj_w, y_w, act_w;     /* columns of proj, y (proj_width, y_width) and act16 */
+    int proj_w, y_w, act_w;     /* columns of proj, y (proj_width, y_width) and act16 (the widest input) */
     int splits;                 /* decode attention splits a head (attn_splits) */
     int gemv_slots;             /* gemv_kernel blocks the GPU holds at once (per SM x SMs) */
     cudaGraphExec_t graph;      /* the captured single-token step */
@@ -484,6 +484,14 @@ __device__ __forceinline__ void row_load(uint4 (&v)[4], const uint4 *w, int c, i
     for (int k = 0; k < 4; k++) v[k] = c + k * st < nvec ? ld_stream(w + c + k * st) : make_uint4(0, 0, 0, 0);
 }
 
+/* The elements of a row past its last whole 16-byte piece, k = from, from + st, ..., each times x[k] sc(k). */
+template <int BF, typename Scale>
+__device__ __forceinline__ float row_tail(const char *row, const float *x, int from, int cols, int st, Scale sc) {
+    float acc = 0;
+    for (int k = from; k < cols; k += st) acc += (BF ? __bfloat162float(((const bf16 *)row)[k]) : ((const float *)row)[k]) * x[k] * sc(k);
+    return acc;
+}
+
 /* This lane's part of row . x over `cols` elements (BF: bf16, else fp32), element k weighed by sc(k):
  * its 16-byte pieces c, c + st, ..., v holding the first four (row_load). Whole fours: the next four
  * go out before this four's math; the last, partial four too, so none of its pieces waits alone (a
@@ -510,9 +518,7 @@ __device__ __forceinline__ float row_dot(const char *row, const float *x, int co
 #pragma unroll
     for (int k = 0; k < 3; k++)
         if (c + k * st < nvec) acc += sc((c + k * st) * per) * dot16(v[k], x + (c + k * st) * per, BF);
-    for (int k = nvec * per + first; k < cols; k += st)
-        acc += (BF ? __bfloat162float(((const bf16 *)row)[k]) : ((const float *)row)[k]) * x[k] * sc(k);
-    return acc;
+    return acc + row_tail<BF>(row, x, nvec * per + first, cols, st, sc);
 }
 
 /* The same, unweighed, for the expert kernels' rows (whose addresses a lane learns after the wait):
@@ -529,9 +535,7 @@ template <int BF> __device__ __forceinline__ float row_dot(const char *row, cons
                dot16(e, x + (c + 3 * st) * per, BF);
     }
     for (; c < nvec; c += st) acc += dot16(ld_stream(w + c), x + c * per, BF);
-    for (int k = nvec * per + first; k < cols; k += st)
-        acc += (BF ? __bfloat162float(((const bf16 *)row)[k]) : ((const float *)row)[k]) * x[k];
-    return acc;
+    return acc + row_tail<BF>(row, x, nvec * per + first, cols, st, [](int) { return 1.0f; });
 }
 
 /* Blocks of two warps: as a product's last blocks drain, the next kernel's blocks take the freed
@@ -2321,13 +2325,8 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
     LAUNCH(dim3(cdiv(d, 256), T), 256, 0, g->stream, moe_combine_kernel, ms->lat ? g->moe_ylat : out, d, ms->lat ? 0 : 1,
            (const float *)g->moe_y, d, (const int *)g->moe_row, (const float *)g->moe_w, K, d);
     if (ms->lat) {   /* out += fc2(routed latent sum) */
-        const void *a = g->moe_ylat;
-        int lda = ms->lat;
-        if (bf) {
-            LAUNCH(T, 256, 0, g->stream, to_bf16_kernel<0>, (bf16 *)g->moe_act, la, (const float *)g->moe_ylat, ms->lat, ms->lat);
-            a = g->moe_act;
-            lda = la;
-        }
+        int lda;
+        const void *a = gemm_input(g, g->moe_ylat, ms->lat, T, &L->lat_out, &lda);
         blas_gemm(g, out, ms->H, a, lda, T, L->lat_out.w, bf, ms->H, ms->lat, L->lat_out.ld, 1.0f);
     }
 }
@@ -2607,7 +2606,7 @@ static void gpu_init(Rank *r) {
     int hd = c->head_dim;
     g->proj_w = proj_width(c, s);
     g->y_w = y_width(c, s);
-    g->act_w = pad8((int)H > g->proj_w ? (int)H : g->proj_w);
+    g->act_w = pad8(std::max({(int)H, g->proj_w, c->latent}));
     g->splits = attn_splits(r->ctx);
     g->gemv_slots = gemv_slots(r->gpu);
     CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SAMPLE_CAND * sizeof(float)));

@@ -602,8 +602,8 @@ static void test_moe_products(int bf, int E, int K, int m, int S, int hidden, in
         std::shuffle(perm.begin(), perm.end(), rng);
         for (int k = 0; k < K; k++) { idx[(size_t)t * K + k] = perm[k]; w[(size_t)t * K + k] = 1.0f + uni(); }
     }
-    GpuRank g = make_rank((size_t)T * pad8(std::max(hidden, S)));
-    g.act_w = pad8(std::max(hidden, S));
+    GpuRank g = make_rank((size_t)T * pad8(std::max({hidden, S, lat})));
+    g.act_w = pad8(std::max({hidden, S, lat}));   /* as gpu_init: the widest input of a product */
     g.proj = dev_copy(std::vector<float>((size_t)T * S));
     g.x = dev_copy(x);
     g.x16 = dev_copy_as<bf16>(x);   /* as the norm writes it for a prompt */
@@ -955,6 +955,7 @@ int main(int argc, char **argv) {
         test_moe_products(bf, 7, 2, 13, 9, 32, 0, 1);
         test_moe_products(bf, 12, 3, 20, 36, 40, 0, 37);
         test_moe_products(bf, 10, 4, 27, 19, 56, 24, 50);
+        test_moe_products(bf, 10, 4, 27, 19, 40, 48, 37);   /* latent wider than hidden */
         test_moe_products(bf, 64, 2, 24, 40, 64, 0, 3);    /* most experts without tokens */
         test_moe_products(bf, 8, 6, 1302, 600, 520, 0, 1);   /* two warps a row in the down product */
         test_moe_products(bf, 8, 6, 1302, 600, 520, 72, 1);
