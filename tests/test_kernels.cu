@@ -811,6 +811,33 @@ static void time_prompt_attention(int q, int kv, int hd, int pos, int T) {
 }
 
 /* Not a check: the sampler's time over V logits (peaked or flat, as above), greedy and top-p. */
+/* Not a check: the floor under every decode step, an empty kernel (its wait only) launched n times in a
+ * row by LAUNCH and replayed as a captured graph, as the engine's step is: what a kernel boundary costs
+ * with no work, at a grid of one block, one a SM, and one wave of the products' two-warp blocks. */
+__global__ void empty_kernel() { pdl_wait(); }
+
+static void time_chain() {
+    const int n = 256;
+    int sms = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    cudaStream_t s;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    printf("# empty kernels chained in a graph, a kernel:");
+    for (int blocks : {1, sms, gemv_slots(0)}) {
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+        for (int i = 0; i < n; i++) LAUNCH(blocks, 32 * GEMV_WARPS, 0, s, empty_kernel);
+        CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+        CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        float us = time_us(s, 20, [&] { CUDA_CHECK(cudaGraphLaunch(exec, s)); });
+        printf(" %d blocks %.2f us%s", blocks, us / n, blocks == gemv_slots(0) ? "\n" : ",");
+        CUDA_CHECK(cudaGraphExecDestroy(exec));
+        CUDA_CHECK(cudaGraphDestroy(graph));
+    }
+    CUDA_CHECK(cudaStreamDestroy(s));
+}
+
 static void time_sample(int V, int peaked) {
     float *dl = dev_copy(sampling_logits(V, peaked)), *dp = dev_copy(std::vector<float>(V));
     int *dout;
@@ -974,6 +1001,7 @@ int main(int argc, char **argv) {
     time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0);
     time_moe("nemotron-3-nano-30b-a3b, a rank of 2", 128, 6, 928, 1856, 2688, 0);
     time_moe("nemotron-3-super-120b-a12b, a rank of 2", 512, 22, 1344, 2688, 4096, 1024);
+    time_chain();
     time_sample(131072, 1);
     time_sample(131072, 0);
     time_scan(128, 64, 8, 128, 2048);
