@@ -3213,7 +3213,7 @@ static void usage(void) {
           "  -i                 a conversation on stdin (--chat; after the reply to PROMPT or -f FILE)\n"
           "  --system TEXT      the system message (--chat)\n"
           "  --think, --no-think  the format's reasoning switch (--chat; default: the template's)\n"
-          "  --hide-think       do not print the reasoning (printed dimmed on a terminal otherwise)\n"
+          "  --hide-think       do not print the reasoning (--chat; printed dimmed on a terminal otherwise)\n"
           "  -h, --help         this help\n", stdout);
 }
 
@@ -3328,6 +3328,9 @@ int main(int argc, char **argv) {
     if ((prompt != NULL) + (prompt_file != NULL) + (ids_arg != NULL) > 1) die("give one prompt: text, -f FILE or --ids");
     if (!chat && (system || ch.think >= 0 || hide_think)) die("--system, --think, --no-think and --hide-think need --chat");
     if (chat && (ids_arg || preset || do_bench)) die("--chat: takes a model directory and a text prompt (not --ids, --random or --bench)");
+    if (chat && (print_ids || o.trace)) die("--chat: prints the replies as text (not with --print-ids or --trace)");
+    if (do_bench && (prompt || prompt_file || ids_arg || dump_path || o.trace))
+        die("--bench: times a prompt of -P random tokens (not with a prompt, -f, --ids, --dump-logits or --trace)");
 
     /* the config first: the model directory is checked before any file in it is named, and the
        context bounds the prompt (--encode needs no model, only its directory's tokenizer.json) */
@@ -3345,7 +3348,8 @@ int main(int argc, char **argv) {
         snprintf(tpath, sizeof tpath, "%s/tokenizer.json", dir);
         if (file_exists(tpath) || need_tok) tok_path = tpath;
     }
-    if (need_tok && !tok_path) die("a text prompt needs a tokenizer: give --tokenizer FILE, or --ids");
+    if (need_tok && !tok_path) die(encode ? "--encode needs a tokenizer: give --tokenizer FILE or -m DIR with tokenizer.json"
+                                          : "a text prompt needs a tokenizer: give --tokenizer FILE, or --ids");
     Tokenizer *tok = tok_path ? tok_load(tok_path) : NULL;
     int n_prompt = 0, *tokens = NULL;
     const char *prompt_text = "";

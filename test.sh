@@ -151,6 +151,10 @@ got=$(./nemoh -m weights --encode -f tests/fixtures/default-ref/text.txt 2>&1 | 
 same "nemoh --encode -f: HF tokenizers' ids for the held-out text" "$got" "$(cat tests/fixtures/default-ref/ids.txt)"
 refuse "bad input: text prompt without a tokenizer" "tokenizer.json: cannot open" ./nemoh -m tests/fixtures/tiny-f32 "hello"
 refuse "bad input: missing -f file" "-f $T/none: cannot open" ./nemoh -f "$T/none"
+for extra in "--ids 1" "--dump-logits $T/bench.bin" "--trace"; do   # flags --bench would ignore (and truncate)
+    refuse "bad input: --bench with ${extra%% *}" "--bench: times a prompt of -P random tokens" ./nemoh --cpu -m tests/fixtures/tiny-f32 --bench $extra
+done
+refuse "bad input: --encode without a tokenizer" "--encode needs a tokenizer" ./nemoh --encode --random synthetic-100m --ids "1 2"
 
 # ---- chat: the formats against @huggingface/jinja + HF tokenizers, the kept state, stdin, tmux ----
 C=tests/fixtures/chat
@@ -238,6 +242,7 @@ refuse "chat bad input: a conversation that does not end with a user message" "m
 mkdir -p "$T/odd" && printf '{"chat_template": "{{ messages }}"}' > "$T/odd/tokenizer_config.json"
 refuse "chat bad input: a template of another format" "none of the formats" ./nemoh -m "$T/odd" --tokenizer $C/tokenizer.json --chat --encode "hi"
 refuse "chat bad input: --think without --chat" "need --chat" ./nemoh -m $C/chatml --think "hi"
+refuse "chat bad input: --print-ids with --chat" "--chat: prints the replies as text" ./nemoh -m $C/chatml --chat --print-ids "hi"
 refuse "chat bad input: a tokenizer without the format's special tokens" "not have as one token" \
     ./nemoh -m $C/nano-v2 --tokenizer tests/fixtures/tokenizer/gpt2/tokenizer.json --chat --encode "hi"
 
