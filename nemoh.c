@@ -81,6 +81,12 @@ static void *xmalloc(size_t n) {
     return p;
 }
 
+static char *xstrdup(const char *str) {
+    char *p = strdup(str);
+    if (!p) die("out of memory copying a %zu-byte string", strlen(str));
+    return p;
+}
+
 static void *xcalloc(size_t n, size_t size) {
     void *p = calloc(n ? n : 1, size ? size : 1);
     if (!p) die("out of memory allocating %zu x %zu bytes", n, size);
@@ -187,7 +193,7 @@ typedef struct {
     pthread_barrier_t bar;      /* all ranks meet here around every host all-reduce */
     float **pend;               /* [n] each rank's pending buffer, read by every rank */
     int **route;                /* [n] each rank's chosen experts, compared with rank 0's (MoE) */
-    float *logits;              /* [t_max, vocab] gathered logits: rank r writes columns of its slice */
+    float *logits;              /* [logit_rows, vocab] gathered logits: rank r writes columns of its slice */
     int rows;                   /* rows of logits the last forward wrote; the sampler reads the last */
     int bad;                    /* where the residual stream first stopped being finite (rank 0
                                    watches): -1 nowhere yet, n_layers the embedding, else a layer */
@@ -539,7 +545,7 @@ static void cpu_moe(Rank *r, int l, int T) {
         /* every rank routed the same reduced input; a rank that chose otherwise would sum other experts'
            slices. No barrier after: rank 0 rewrites its choices only past the next layer's all-reduce. */
         pthread_barrier_wait(&sh->bar);
-        for (int i = 0; i < T * K; i++)
+        for (size_t i = 0; i < (size_t)T * K; i++)
             if (st->route[i] != sh->route[0][i])
                 die("layer %d: rank %d chose expert %d where rank 0 chose %d", l, s->rank, st->route[i], sh->route[0][i]);
     }
@@ -549,7 +555,7 @@ static void cpu_moe(Rank *r, int l, int T) {
     memset(st->eacc, 0, (size_t)T * d * sizeof(float));
     for (int e = 0; e < c->n_experts; e++) {
         int n = 0;
-        for (int i = 0; i < T * K; i++)
+        for (size_t i = 0; i < (size_t)T * K; i++)
             if (st->route[i] == e) {
                 st->etok[n] = i / K;
                 st->ew[n] = st->route_w[i];
@@ -578,7 +584,7 @@ static void cpu_logits(Rank *r, int T, int all) {
     int hidden = r->c->hidden, V = r->c->vocab, rows = all ? T : 1;
     const float *x = st->x + (size_t)(all ? 0 : T - 1) * hidden;
     matmul(sh->logits + (size_t)r->s.rank * r->s.vocab, V, x, hidden, rows, &r->w.lm_head);
-    sh->rows = rows;
+    if (r->s.rank == 0) sh->rows = rows;   /* the same on every rank: one writer */
     pthread_barrier_wait(&sh->bar);
 }
 
@@ -1445,7 +1451,7 @@ static void st_parse(Checkpoint *ck, const char *path, const char *file, size_t 
                 (unsigned long long)numel, dtype_name[t.dtype]);
         if ((8 + hlen + (uint64_t)b) % (uint64_t)dtype_size[t.dtype] != 0)
             die("%s: tensor %s is not aligned to its element size", path, e->key);
-        t.name = strdup(e->key);
+        t.name = xstrdup(e->key);
         if (!t.name) die("out of memory");
         t.data = data + b;
         t.file = path;
@@ -1492,7 +1498,7 @@ static void st_open(Checkpoint *ck, const char *path) {
     if (map == MAP_FAILED) die("%s: mmap failed: %s", path, strerror(errno));
     close(fd);
     MappedFile *mf = &ck->file[ck->n_files++];
-    mf->path = strdup(path);
+    mf->path = xstrdup(path);
     if (!mf->path) die("out of memory");
     mf->map = map;
     mf->size = size;
@@ -2506,7 +2512,7 @@ enum { W_MAT, W_ONE, W_ALOG, W_DTB, W_CONV, W_BIAS };  /* how a synthetic tensor
 static void add_random(Checkpoint *ck, const char *name, int dtype, long d0, long d1, int what, uint64_t seed, int host) {
     Tensor *t = ck_add(ck);
     size_t numel = (size_t)d0 * (size_t)(d1 ? d1 : 1);
-    *t = (Tensor){strdup(name), dtype, d1 ? 2 : 1, {d0, d1}, NULL, ck->dir};
+    *t = (Tensor){xstrdup(name), dtype, d1 ? 2 : 1, {d0, d1}, NULL, ck->dir};
     if (what == W_MAT && dtype == DT_BF16 && !host) return;  /* data NULL: the GPU backend draws it on the device */
     void *buf = xmalloc(numel * (size_t)dtype_size[dtype]);
     float a = d1 ? sqrtf(3.0f / (float)d1) : 0;
@@ -2820,7 +2826,7 @@ static void chat_detect(Chat *ch, const char *dir, const Tokenizer *tok) {
                 const Json *nm = json_get(e, "name");
                 if (nm && nm->type == J_STR && !strcmp(nm->str, "default")) t = json_get(e, "template");
             }
-        if (t && t->type == J_STR && t->len) tmpl = strdup(t->str);
+        if (t && t->type == J_STR && t->len) tmpl = xstrdup(t->str);
         json_free(&doc);
         free(text);
     }
@@ -3143,6 +3149,7 @@ static void bench(Engine *e, const char *model, int prompt_len, int n, int gpu) 
     Rank *r = &e->rank[0];
     if (prompt_len < 1 || prompt_len + n > r->ctx) die("--bench: -P %d plus -n %d tokens exceed the context of %d (-c)", prompt_len, n, r->ctx);
     int *prompt = xmalloc((size_t)prompt_len * sizeof(int));
+    if (e->c.vocab < 4) die("--bench: vocab_size %d: the random prompt draws ids from 3 up (0 to 2 are special)", e->c.vocab);
     for (int i = 0; i < prompt_len; i++) prompt[i] = 3 + (int)(coin(99, (uint64_t)i) * (e->c.vocab - 3));
     GenOpts o = {n, 0, 1, 0, NULL, 0, 1, NULL}, warm = o;
     warm.n = 4;
@@ -3315,8 +3322,8 @@ int main(int argc, char **argv) {
 #ifdef NEMOH_CUDA
     if (!use_cpu) gpus = cuda_devices();
 #endif
-    int tp = strcmp(tp_arg, "all") == 0 ? (gpus ? gpus : (die("--tp all: no GPU is visible; give --tp N"), 1))
-                                        : arg_int("--tp", tp_arg, 1, 64);
+    if (!strcmp(tp_arg, "all") && (!gpus || gpus > 64)) die("--tp all: %d GPUs visible; give --tp N (1 to 64)", gpus);
+    int tp = !strcmp(tp_arg, "all") ? gpus : arg_int("--tp", tp_arg, 1, 64);
     if (bench_ar) {
         if (!gpus) die("--bench-allreduce: needs a GPU (none visible%s)", use_cpu ? ", --cpu given" : "");
         if (hidden % 4) die("--hidden %d: must be a multiple of 4", hidden);

@@ -50,7 +50,7 @@ typedef struct {
     int n_experts, top_k;       /* n_routed_experts, num_experts_per_tok */
     int n_group, topk_group;    /* router groups, groups kept before the top-k (1, 1: plain top-k) */
     int moe;                    /* moe_intermediate_size: rows of each routed expert's up_proj */
-    int shared;                 /* n_shared_experts * moe_shared_expert_intermediate_size (0: none) */
+    int shared;                 /* moe_shared_expert_intermediate_size (> 0: one shared expert) */
     int latent;                 /* moe_latent_size; 0: experts work on the hidden state itself */
     int norm_topk;              /* norm_topk_prob: chosen weights divided by their sum (+ 1e-20) */
     float routed_scale;         /* routed_scaling_factor, applied after that */
