@@ -315,6 +315,11 @@ words=$(printf '%s' "$out" | wc -w)
 [[ $out == "Once upon a time"* ]] && [ "$words" -ge 15 ] && pass "./nemoh \"Once upon a time\" prints a continuation ($words words)" \
     || fail "./nemoh \"Once upon a time\" prints a continuation" "$out"
 
+# ---- the README's option list is what -h prints ----
+help=$(./nemoh -h); at=$(grep -n '^usage: nemoh' README.md | cut -d: -f1)
+doc=$([ -n "$at" ] && sed -n "$at,$((at + $(wc -l <<< "$help") - 1))p" README.md)
+[ "$doc" = "$help" ] && pass "README: the option list is nemoh -h" || fail "README: the option list is nemoh -h" "$(diff <(echo "$doc") <(echo "$help"))"
+
 # ---- --trace shows the protocol: a plain norm first, then every entry fused, one plain all-reduce ----
 tr=$(./nemoh -m tests/fixtures/tiny-f32 --ids "1 2 3" -n 2 --tp 2 --trace --cpu 2>&1 >/dev/null)
 nl=$(grep -c '^layer' <<< "$tr"); nf=$(grep -c 'fused all-reduce' <<< "$tr")
