@@ -1452,7 +1452,6 @@ static void st_parse(Checkpoint *ck, const char *path, const char *file, size_t 
         if ((8 + hlen + (uint64_t)b) % (uint64_t)dtype_size[t.dtype] != 0)
             die("%s: tensor %s is not aligned to its element size", path, e->key);
         t.name = xstrdup(e->key);
-        if (!t.name) die("out of memory");
         t.data = data + b;
         t.file = path;
         if (en > b) spans[n_spans++] = (Span){(size_t)b, (size_t)en, t.name};   /* empty ones overlap nothing */
@@ -1499,7 +1498,6 @@ static void st_open(Checkpoint *ck, const char *path) {
     close(fd);
     MappedFile *mf = &ck->file[ck->n_files++];
     mf->path = xstrdup(path);
-    if (!mf->path) die("out of memory");
     mf->map = map;
     mf->size = size;
     mapped_ck = ck;
@@ -3148,8 +3146,8 @@ static double host_copy_gbps(void) {
 static void bench(Engine *e, const char *model, int prompt_len, int n, int gpu) {
     Rank *r = &e->rank[0];
     if (prompt_len < 1 || prompt_len + n > r->ctx) die("--bench: -P %d plus -n %d tokens exceed the context of %d (-c)", prompt_len, n, r->ctx);
-    int *prompt = xmalloc((size_t)prompt_len * sizeof(int));
     if (e->c.vocab < 4) die("--bench: vocab_size %d: the random prompt draws ids from 3 up (0 to 2 are special)", e->c.vocab);
+    int *prompt = xmalloc((size_t)prompt_len * sizeof(int));
     for (int i = 0; i < prompt_len; i++) prompt[i] = 3 + (int)(coin(99, (uint64_t)i) * (e->c.vocab - 3));
     GenOpts o = {n, 0, 1, 0, NULL, 0, 1, NULL}, warm = o;
     warm.n = 4;
@@ -3322,8 +3320,9 @@ int main(int argc, char **argv) {
 #ifdef NEMOH_CUDA
     if (!use_cpu) gpus = cuda_devices();
 #endif
-    if (!strcmp(tp_arg, "all") && (!gpus || gpus > 64)) die("--tp all: %d GPUs visible; give --tp N (1 to 64)", gpus);
-    int tp = !strcmp(tp_arg, "all") ? gpus : arg_int("--tp", tp_arg, 1, 64);
+    int tp_all = !strcmp(tp_arg, "all");
+    if (tp_all && (!gpus || gpus > 64)) die("--tp all: %d GPUs visible; give --tp N (1 to 64)", gpus);
+    int tp = tp_all ? gpus : arg_int("--tp", tp_arg, 1, 64);
     if (bench_ar) {
         if (!gpus) die("--bench-allreduce: needs a GPU (none visible%s)", use_cpu ? ", --cpu given" : "");
         if (hidden % 4) die("--hidden %d: must be a multiple of 4", hidden);
