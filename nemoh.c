@@ -11,6 +11,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <fnmatch.h>
 #include <float.h>
 #include <math.h>
 #include <pthread.h>
@@ -228,7 +229,13 @@ typedef struct {
 
 static int cpu_threads = 1;     /* OpenMP threads per rank: the cores shared among the ranks */
 
-/* Row i of W dotted with x: sum_k W[i][k] * x[k], in fp32, 16 lanes so the compiler vectorises. */
+/* e4m3_to_f32 of every byte, made once (pthread_once: the ranks' threads share it). */
+static float fp8_tab[256];
+static void fp8_tab_fill(void) { for (int b = 0; b < 256; b++) fp8_tab[b] = e4m3_to_f32((uint8_t)b); }
+static pthread_once_t fp8_once = PTHREAD_ONCE_INIT;
+
+/* Row i of W dotted with x: sum_k W[i][k] * x[k], in fp32, 16 lanes so the compiler vectorises; a
+ * quantized W's elements dequantized exactly as mat_at() does. */
 static float dot_row(const Mat *W, int i, const float *x) {
     int n = W->cols, k = 0;
     float acc[16] = {0}, s = 0;
@@ -242,9 +249,24 @@ static float dot_row(const Mat *W, int i, const float *x) {
         for (; k + 16 <= n; k += 16)
             for (int j = 0; j < 16; j++) acc[j] += bf16_to_f32(w[k + j]) * x[k + j];
         for (; k < n; k++) s += bf16_to_f32(w[k]) * x[k];
+    } else if (W->dtype == DT_FP8) {
+        const uint8_t *w = (const uint8_t *)W->data + (size_t)i * W->ld;
+        pthread_once(&fp8_once, fp8_tab_fill);
+        for (; k + 16 <= n; k += 16)
+            for (int j = 0; j < 16; j++) acc[j] += fp8_tab[w[k + j]] * W->scale * x[k + j];
+        for (; k < n; k++) s += fp8_tab[w[k]] * W->scale * x[k];
+    } else if (W->dtype == DT_NVFP4) {   /* blocks of 16 (n is a multiple of 16), two elements a byte */
+        const uint8_t *w = (const uint8_t *)W->data + (size_t)i * W->ld / 2;
+        for (; k < n; k += 16) {
+            float sc = nvfp4_block_scale(W, (size_t)i, (size_t)k);
+            for (int j = 0; j < 8; j++) {
+                unsigned b = w[k / 2 + j];
+                acc[2 * j] += e2m1_to_f32(b & 15) * sc * x[k + 2 * j];
+                acc[2 * j + 1] += e2m1_to_f32(b >> 4) * sc * x[k + 2 * j + 1];
+            }
+        }
     } else {
-        const uint16_t *w = (const uint16_t *)W->data + (size_t)i * W->ld;
-        for (; k < n; k++) s += f16_to_f32(w[k]) * x[k];
+        for (; k < n; k++) s += mat_at(W, (size_t)i, (size_t)k) * x[k];
     }
     for (int j = 0; j < 16; j++) s += acc[j];
     return s;
@@ -329,7 +351,7 @@ static void cpu_embed(Rank *r, const int *tok, int T) {
     CpuState *st = r->st;
     int hidden = r->c->hidden;
     for (int t = 0; t < T; t++)
-        for (int i = 0; i < hidden; i++) st->res[(size_t)t * hidden + i] = load_f32(r->w.embed.data, r->w.embed.dtype, (size_t)tok[t] * r->w.embed.ld + i);
+        for (int i = 0; i < hidden; i++) st->res[(size_t)t * hidden + i] = mat_at(&r->w.embed, (size_t)tok[t], (size_t)i);
 }
 
 /* sum = pend_0 + pend_1 + ... in rank order, so every rank gets bit-identical sums; returns sum (at
@@ -495,7 +517,7 @@ static void cpu_mlp(Rank *r, int l, int T) {
 static void moe_route(const Config *c, const Layer *L, const float *x, float *scratch, int *idx, float *w) {
     int E = c->n_experts, G = c->n_group, per = E / G;
     float *s = scratch, *choice = scratch + E, *gscore = scratch + 2 * E, sum = 0;
-    Mat gate = {L->gate, DT_F32, E, c->hidden, (size_t)c->hidden};
+    Mat gate = {L->gate, DT_F32, E, c->hidden, (size_t)c->hidden, NULL, 0, 1.0f};
     for (int e = 0; e < E; e++) {
         s[e] = 1.0f / (1.0f + expf(-dot_row(&gate, e, x)));
         choice[e] = s[e] + L->gate_bias[e];
@@ -1368,7 +1390,7 @@ static void config_load(Config *c, const char *dir) {
 
 typedef struct {
     char *name;                 /* tensor name as stored */
-    int dtype;                  /* DT_F32 / DT_BF16 / DT_F16 */
+    int dtype;                  /* DT_F32 / DT_BF16 / DT_F16 / DT_FP8 (F8_E4M3) / DT_U8 */
     int ndim;                   /* number of dimensions (<= 4) */
     long shape[4];              /* [ndim] */
     const void *data;           /* first byte, inside the file's mapping */
@@ -1381,8 +1403,24 @@ typedef struct {
     size_t size;                /* file size in bytes */
 } MappedFile;
 
+/* What a ModelOpt quantization config says (hf_quant_config.json, or config.json's
+ * quantization_config): which projections are stored quantized, and how. Each matrix's format is read
+ * from its own tensors (load_mat); this is the cross-check that refuses a disagreement. */
+enum { Q_MIXED = -1, Q_ANY = -2 };   /* algo beside 0 (none), DT_FP8, DT_NVFP4 */
+typedef struct {
+    int algo;                   /* 0: no config; DT_FP8 / DT_NVFP4: every projection not excluded;
+                                   Q_MIXED: those in quantized_layers; Q_ANY: as stored (--random) */
+    char **exclude;             /* [n_exclude] exclude_modules / ignore: fnmatch patterns of modules */
+    int n_exclude;
+    char **mod;                 /* [n_mod] MIXED_PRECISION quantized_layers' modules, sorted */
+    int *mod_fmt;               /* [n_mod] their formats, DT_FP8 or DT_NVFP4 */
+    int n_mod;
+    char src[4200];             /* which file says it, for messages */
+} QuantCfg;
+
 struct Checkpoint {
     const char *dir;            /* checkpoint directory */
+    QuantCfg q;                 /* its quantization config */
     MappedFile file[256];       /* [n_files] safetensors files */
     int n_files;
     Tensor *t;                  /* [n] all tensors of all files, sorted by name once loaded */
@@ -1390,8 +1428,8 @@ struct Checkpoint {
     int owned;                  /* 1: tensor data is malloc'ed (a synthetic checkpoint), not mapped */
 };
 
-static const char *dtype_name[] = {"F32", "BF16", "F16"};
-static const int dtype_size[] = {4, 2, 2};
+static const char *dtype_name[] = {"F32", "BF16", "F16", "F8_E4M3", "U8", "NVFP4"};
+static const int dtype_size[] = {4, 2, 2, 1, 1};   /* bytes an element, of the dtypes a file holds */
 
 /* A new tensor slot at the end of ck->t, the array doubled when full. */
 static Tensor *ck_add(Checkpoint *ck) {
@@ -1432,8 +1470,8 @@ static void st_parse(Checkpoint *ck, const char *path, const char *file, size_t 
             die("%s: tensor %s: header entry needs dtype, shape and data_offsets", path, e->key);
         Tensor t = {0};
         t.dtype = -1;
-        for (int i = 0; i < 3; i++) if (strcmp(dt->str, dtype_name[i]) == 0) t.dtype = i;
-        if (t.dtype < 0) die("%s: tensor %s has dtype %s; nemoh reads F32, BF16 and F16", path, e->key, dt->str);
+        for (int i = 0; i <= DT_U8; i++) if (strcmp(dt->str, dtype_name[i]) == 0) t.dtype = i;
+        if (t.dtype < 0) die("%s: tensor %s has dtype %s; nemoh reads F32, BF16, F16, F8_E4M3 and U8", path, e->key, dt->str);
         if (shape->n > 4) die("%s: tensor %s has %d dimensions (at most 4)", path, e->key, shape->n);
         uint64_t numel = 1;
         for (const Json *d = shape->child; d; d = d->next) {
@@ -1523,6 +1561,127 @@ static void st_sort(Checkpoint *ck) {
             die("%s: tensor %s appears twice (%s and %s)", ck->dir, ck->t[i].name, ck->t[i - 1].file, ck->t[i].file);
 }
 
+/* ---- The quantization config (ModelOpt) ---- */
+
+static int str_cmp(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* A quant_algo value as a format (upper-cased first, as vLLM does: ModelOpt may write lowercase):
+ * FP8 (per tensor) and NVFP4 / W4A16_NVFP4 (the same tensors, run weight-only either way), or
+ * MIXED_PRECISION where allowed. Any other algorithm is refused by name. */
+static int quant_algo(const Json *v, const char *path, int mixed_ok) {
+    char a[64] = "";
+    if (!v || v->type != J_STR) die("%s: quant_algo must be a string", path);
+    for (int i = 0; i < v->len && i < 63; i++) a[i] = (char)toupper((unsigned char)v->str[i]);
+    if (!strcmp(a, "FP8")) return DT_FP8;
+    if (!strcmp(a, "NVFP4") || !strcmp(a, "W4A16_NVFP4")) return DT_NVFP4;
+    if (mixed_ok && !strcmp(a, "MIXED_PRECISION")) return Q_MIXED;
+    die("%s: quant_algo \"%s\" is not supported (nemoh reads FP8, NVFP4, W4A16_NVFP4%s)", path, v->str,
+        mixed_ok ? " and MIXED_PRECISION" : "");
+    return 0;
+}
+
+/* group_size, where given, must be NVFP4's 16 (FP8 per tensor has none). */
+static void quant_group(const Json *o, int fmt, const char *path) {
+    const Json *g = json_get(o, "group_size");
+    int64_t v;
+    if (g && g->type != J_NULL && fmt == DT_NVFP4 && (!json_int(g, 0, 1 << 30, &v) || v != 16))
+        die("%s: group_size must be 16 for NVFP4 (blocks of 16 elements)", path);
+}
+
+/* One config object: hf_quant_config.json's "quantization" (exclude_modules) or config.json's
+ * quantization_config (ignore), both with quant_algo and, for MIXED_PRECISION, quantized_layers. */
+static void quant_parse(QuantCfg *q, const Json *o, const char *path, const char *exclude_key) {
+    if (!o || o->type != J_OBJ) die("%s: the quantization config must be a JSON object", path);
+    q->algo = quant_algo(json_get(o, "quant_algo"), path, 1);
+    snprintf(q->src, sizeof q->src, "%s", path);
+    if (q->algo != Q_MIXED) quant_group(o, q->algo, path);
+    const Json *ex = json_get(o, exclude_key);
+    if (ex && ex->type != J_NULL && ex->type != J_ARR) die("%s: %s must be a list of module names", path, exclude_key);
+    q->n_exclude = ex && ex->type == J_ARR ? ex->n : 0;
+    q->exclude = xcalloc((size_t)q->n_exclude, sizeof(char *));
+    for (int i = 0; i < q->n_exclude; i++) {
+        const Json *e = json_at(ex, i);
+        if (e->type != J_STR) die("%s: %s must be a list of module names", path, exclude_key);
+        q->exclude[i] = xstrdup(e->str);
+    }
+    const Json *ql = json_get(o, "quantized_layers");
+    if (q->algo != Q_MIXED) return;
+    if (!ql || ql->type != J_OBJ) die("%s: MIXED_PRECISION needs a quantized_layers object", path);
+    q->n_mod = ql->n;
+    q->mod = xcalloc((size_t)q->n_mod, sizeof(char *));
+    q->mod_fmt = xcalloc((size_t)q->n_mod, sizeof(int));
+    int i = 0;
+    for (const Json *e = ql->child; e; e = e->next, i++) {
+        if (e->type != J_OBJ) die("%s: quantized_layers entry %s must be an object", path, e->key);
+        q->mod[i] = xstrdup(e->key);
+    }
+    qsort(q->mod, (size_t)q->n_mod, sizeof(char *), str_cmp);
+    for (const Json *e = ql->child; e; e = e->next) {
+        char **at = bsearch(&e->key, q->mod, (size_t)q->n_mod, sizeof(char *), str_cmp);
+        int fmt = quant_algo(json_get(e, "quant_algo"), path, 0);
+        quant_group(e, fmt, path);
+        q->mod_fmt[at - q->mod] = fmt;
+    }
+    for (int k = 1; k < q->n_mod; k++)
+        if (!strcmp(q->mod[k], q->mod[k - 1])) die("%s: quantized_layers names %s twice", path, q->mod[k]);
+}
+
+static void quant_free(QuantCfg *q) {
+    for (int i = 0; i < q->n_exclude; i++) free(q->exclude[i]);
+    for (int i = 0; i < q->n_mod; i++) free(q->mod[i]);
+    free(q->exclude);
+    free(q->mod);
+    free(q->mod_fmt);
+    memset(q, 0, sizeof *q);
+}
+
+/* The directory's quantization config: hf_quant_config.json (ModelOpt always writes it) and/or
+ * config.json's quantization_config (newer exports; quant_method "modelopt"). Both: they must agree. */
+static void quant_load(QuantCfg *q, const char *dir) {
+    char path[4096];
+    size_t len;
+    memset(q, 0, sizeof *q);
+    snprintf(path, sizeof path, "%s/hf_quant_config.json", dir);
+    char *text = read_text(path, &len, 256u << 20);
+    if (text) {
+        JsonDoc doc = json_parse(text, len, path);
+        quant_parse(q, json_get(&doc.nodes[0], "quantization"), path, "exclude_modules");
+        json_free(&doc);
+        free(text);
+    }
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if (!(text = read_text(path, &len, 1 << 20))) return;
+    JsonDoc doc = json_parse(text, len, path);
+    const Json *qc = json_get(&doc.nodes[0], "quantization_config"), *m = qc ? json_get(qc, "quant_method") : NULL;
+    if (qc && qc->type != J_NULL) {
+        if (!m || m->type != J_STR || strcmp(m->str, "modelopt"))
+            die("%s: quantization_config's quant_method %s%s%s is not supported (nemoh reads ModelOpt's FP8 and NVFP4 checkpoints)",
+                path, m && m->type == J_STR ? "\"" : "", m && m->type == J_STR ? m->str : "(missing)", m && m->type == J_STR ? "\"" : "");
+        QuantCfg c = {0};
+        quant_parse(&c, qc, path, "ignore");
+        if (q->algo && c.algo != q->algo) die("%s: quantization_config's quant_algo disagrees with %s", path, q->src);
+        if (!q->algo) { *q = c; c = (QuantCfg){0}; }
+        quant_free(&c);
+    }
+    json_free(&doc);
+    free(text);
+}
+
+/* The format the config gives module `name` (a weight's tensor name less ".weight"): 0 unquantized,
+ * DT_FP8 or DT_NVFP4; Q_ANY: whatever is stored. Exclude entries are fnmatch patterns, or a parent module. */
+static int quant_expect(const QuantCfg *q, const char *name) {
+    if (q->algo == Q_ANY || q->algo == 0) return q->algo;
+    if (q->algo == Q_MIXED) {
+        char **at = bsearch(&name, q->mod, (size_t)q->n_mod, sizeof(char *), str_cmp);
+        return at ? q->mod_fmt[at - q->mod] : 0;
+    }
+    for (int i = 0; i < q->n_exclude; i++) {
+        size_t n = strlen(q->exclude[i]);
+        if (!fnmatch(q->exclude[i], name, 0) || (!strncmp(name, q->exclude[i], n) && name[n] == '.')) return 0;
+    }
+    return q->algo;
+}
+
 /* A checkpoint directory: model.safetensors, or the shards that model.safetensors.index.json names. */
 static void build_checkpoint(Checkpoint *ck, const char *dir) {
     char path[4096];
@@ -1548,15 +1707,17 @@ static void build_checkpoint(Checkpoint *ck, const char *dir) {
             if (!st_lookup(ck, e->key)) die("%s: tensor %s is indexed but missing from %s", path, e->key, e->str);
         json_free(&doc);
         free(text);
-        return;
+    } else {
+        snprintf(path, sizeof path, "%s/model.safetensors", dir);
+        if (!file_exists(path)) die("%s: no model.safetensors or model.safetensors.index.json", dir);
+        st_open(ck, path);
+        st_sort(ck);
     }
-    snprintf(path, sizeof path, "%s/model.safetensors", dir);
-    if (!file_exists(path)) die("%s: no model.safetensors or model.safetensors.index.json", dir);
-    st_open(ck, path);
-    st_sort(ck);
+    quant_load(&ck->q, dir);
 }
 
 static void free_checkpoint(Checkpoint *ck) {
+    quant_free(&ck->q);
     for (int i = 0; i < ck->n; i++) {
         free(ck->t[i].name);
         if (ck->owned) free((void *)ck->t[i].data);
@@ -1589,10 +1750,23 @@ static void st_bad_shape(const Tensor *t, const char *want) {
     die("%s: tensor %s has shape [%s], config implies [%s]", t->file, t->name, have, want);
 }
 
-/* The tensor `name`, which must exist with exactly the shape the config implies (d1 = 0: 1-D). */
-static const Tensor *st_get(const Checkpoint *ck, const char *name, long d0, long d1) {
+/* The tensor `name`, which must exist. */
+static const Tensor *st_need(const Checkpoint *ck, const char *name) {
     const Tensor *t = st_find(ck, name);
     if (!t) die("%s: tensor %s not found (looked for backbone.%s, model.%s and %s)", ck->dir, name, name, name, name);
+    return t;
+}
+
+/* Dies unless tensor t holds plain numbers (F32, BF16, F16): norms, conv, A_log, D, dt_bias, routers
+ * and stacked experts are never quantized. */
+static void st_float(const Tensor *t) {
+    if (t->dtype > DT_F16) die("%s: tensor %s has dtype %s; nemoh reads it as F32, BF16 or F16", t->file, t->name, dtype_name[t->dtype]);
+}
+
+/* The tensor `name`, which must exist with exactly the shape the config implies (d1 = 0: 1-D), in F32, BF16 or F16. */
+static const Tensor *st_get(const Checkpoint *ck, const char *name, long d0, long d1) {
+    const Tensor *t = st_need(ck, name);
+    st_float(t);
     /* conv1d.weight is stored [channels, 1, width]: drop the unit middle dimension */
     long s0 = t->shape[0], s1 = t->ndim == 3 && t->shape[1] == 1 ? t->shape[2] : t->ndim >= 2 ? t->shape[1] : 0;
     int ndim = t->ndim == 3 && t->shape[1] == 1 ? 2 : t->ndim;
@@ -1613,6 +1787,7 @@ static const Tensor *st_experts_stacked(const Checkpoint *ck, int l, const char 
     const Tensor *t = st_find(ck, name);
     snprintf(want, sizeof want, "%ld,%ld,%ld", E, rows, cols);
     if (t && (t->ndim != 3 || t->shape[0] != E || t->shape[1] != rows || t->shape[2] != cols)) st_bad_shape(t, want);
+    if (t) st_float(t);   /* ModelOpt writes quantized experts one tensor per expert */
     return t;
 }
 
@@ -1634,8 +1809,16 @@ static int st_check_extra(const Checkpoint *ck, const Config *c) {
             e = (int)strtol(tail, &end, 10);
             tail = end;
         }
-        int up = e < 0 ? !strcmp(tail, "up_proj") : !strcmp(tail, ".up_proj.weight");
-        int down = e < 0 ? !strcmp(tail, "down_proj") : !strcmp(tail, ".down_proj.weight");
+        /* one expert's projection: its weight, and a quantized one's scales */
+        static const char *part[] = {"weight", "weight_scale", "weight_scale_2", "input_scale"};
+        int up = e < 0 && !strcmp(tail, "up_proj"), down = e < 0 && !strcmp(tail, "down_proj");
+        for (int k = 0; e >= 0 && k < 4; k++) {
+            char a[32], b[32];
+            snprintf(a, sizeof a, ".up_proj.%s", part[k]);
+            snprintf(b, sizeof b, ".down_proj.%s", part[k]);
+            up |= !strcmp(tail, a);
+            down |= !strcmp(tail, b);
+        }
         if (l < 0 || l >= c->n_layers || c->kind[l] != K_MOE)
             die("%s: tensor %s: layer %d is not a mixture-of-experts layer", ck->t[i].file, name, l);
         if (!up && !down) die("%s: tensor %s: not a routed expert's up_proj or down_proj", ck->t[i].file, name);
@@ -1652,11 +1835,84 @@ static int st_check_extra(const Checkpoint *ck, const Config *c) {
  * Weights: each rank's views into the checkpoint, sliced as shard_sizes() says
  * ---------------------------------------------------------------------------------------------- */
 
-/* Rows [r0, r0+rows) and columns [c0, c0+cols) of a 2-D tensor (or of a 3-D one read as [d0*d1, d2]), as a view. */
+/* Rows [r0, r0+rows) and columns [c0, c0+cols) of a 3-D tensor of stacked experts read as [d0*d1, d2], as a view. */
 static Mat mat_view(const Tensor *t, long r0, long rows, long c0, long cols) {
-    long ld = t->ndim >= 2 ? t->shape[t->ndim - 1] : 1;  /* [E, rows, cols] stacked experts: rows E*rows */
+    long ld = t->shape[t->ndim - 1];
     const char *p = t->data ? (const char *)t->data + ((size_t)r0 * (size_t)ld + (size_t)c0) * (size_t)dtype_size[t->dtype] : NULL;
-    return (Mat){p, t->dtype, (int)rows, (int)cols, (size_t)ld};
+    return (Mat){p, t->dtype, (int)rows, (int)cols, (size_t)ld, NULL, 0, 1.0f};
+}
+
+/* A scale beside a weight: one F32 value (shape [] or [1]), finite and >= 0. */
+static float st_scale(const Tensor *t) {
+    float v;
+    if (t->dtype != DT_F32 || t->ndim > 1 || (t->ndim == 1 && t->shape[0] != 1))
+        die("%s: tensor %s must be one F32 value (shape [] or [1]); per-channel and block scales are not supported", t->file, t->name);
+    memcpy(&v, t->data, 4);
+    if (!(v >= 0 && v < INFINITY)) die("%s: tensor %s is %g, not a finite scale >= 0", t->file, t->name, v);
+    return v;
+}
+
+/* Tensor `module.part` (the weight's companions: "weight_scale", ...), or NULL. */
+static const Tensor *st_part(const Checkpoint *ck, const char *module, const char *part) {
+    char name[600];
+    snprintf(name, sizeof name, "%s.%s", module, part);
+    return st_lookup(ck, name);
+}
+
+static const char *quant_name(int fmt) { return fmt == DT_FP8 ? "FP8" : fmt == DT_NVFP4 ? "NVFP4" : "unquantized"; }
+
+/* Module `name` ("layers.3.mixer.in_proj"; d0 x d1 as the config implies) in the format its own
+ * tensors give it, as ModelOpt stores them: a BF16, F16 or F32 weight is plain; an F8_E4M3 weight
+ * beside one F32 weight_scale is FP8; a U8 weight [d0, d1/2] beside an F8_E4M3 weight_scale
+ * [d0, d1/16] and one F32 weight_scale_2 is NVFP4 (see Mat). An input_scale is checked and not
+ * used: activations stay bf16/fp32 (weight-only, as every engine runs these files on Hopper). A
+ * projection (proj) must have the format the quantization config gives it. Rows [r0, r0+rows) and
+ * columns [c0, c0+cols) of it, as a view; every NVFP4 block scale of the view is checked for NaN. */
+static Mat load_mat(const Checkpoint *ck, const char *name, long d0, long d1, long r0, long rows, long c0, long cols, int proj) {
+    char wname[512], mod[512], want[64];
+    snprintf(wname, sizeof wname, "%s.weight", name);
+    const Tensor *t = st_need(ck, wname);
+    snprintf(mod, sizeof mod, "%.*s", (int)strlen(t->name) - 7, t->name);
+    const Tensor *ws = st_part(ck, mod, "weight_scale"), *ws2 = st_part(ck, mod, "weight_scale_2"), *in = st_part(ck, mod, "input_scale");
+    if (st_part(ck, mod, "pre_quant_scale")) die("%s: tensor %s.pre_quant_scale: AWQ's pre-quantization scales are not supported", t->file, mod);
+    if (in) st_scale(in);
+    int fmt = t->dtype == DT_U8 ? DT_NVFP4 : t->dtype;
+    long sd1 = fmt == DT_NVFP4 ? d1 / 2 : d1;
+    if (fmt == DT_NVFP4 && d1 % 16) die("%s: tensor %s is NVFP4, in blocks of 16, but its rows have %ld elements", t->file, t->name, d1);
+    snprintf(want, sizeof want, "%ld,%ld", d0, sd1);
+    if (t->ndim != 2 || t->shape[0] != d0 || t->shape[1] != sd1) st_bad_shape(t, want);
+    Mat m = {NULL, fmt, (int)rows, (int)cols, (size_t)d1, NULL, 0, 1.0f};
+    if (fmt <= DT_F16 && (ws || ws2)) die("%s: tensor %s is %s, yet %s is stored beside it", t->file, t->name, dtype_name[fmt], (ws ? ws : ws2)->name);
+    if (fmt >= DT_FP8 && !ws) die("%s: tensor %s is %s but %s.weight_scale is missing", t->file, t->name, dtype_name[t->dtype], mod);
+    if (fmt == DT_FP8 && ws2) die("%s: tensor %s: an FP8 weight with a weight_scale_2 is not per-tensor FP8", ws2->file, ws2->name);
+    if (fmt == DT_FP8) m.scale = st_scale(ws);
+    if (fmt == DT_NVFP4) {
+        if (!ws2) die("%s: tensor %s is U8 (NVFP4) but %s.weight_scale_2 is missing", t->file, t->name, mod);
+        if (ws->dtype != DT_FP8) die("%s: tensor %s has dtype %s; NVFP4 block scales are F8_E4M3", ws->file, ws->name, dtype_name[ws->dtype]);
+        snprintf(want, sizeof want, "%ld,%ld", d0, d1 / 16);
+        if (ws->ndim != 2 || ws->shape[0] != d0 || ws->shape[1] != d1 / 16) st_bad_shape(ws, want);
+        m.scale = st_scale(ws2);
+    }
+    int have = fmt >= DT_FP8 ? fmt : 0, expect = proj ? quant_expect(&ck->q, mod) : Q_ANY;
+    if (expect != Q_ANY && expect != have) {
+        if (!ck->q.algo) die("%s: tensor %s is %s but the checkpoint has no quantization config (hf_quant_config.json, "
+                             "or quantization_config in config.json)", t->file, t->name, dtype_name[t->dtype]);
+        die("%s: tensor %s is %s but %s makes %s %s", t->file, t->name, have ? quant_name(have) : dtype_name[fmt], ck->q.src, mod,
+            quant_name(expect));
+    }
+    if (fmt == DT_NVFP4 && (c0 % 16 || cols % 16))
+        die("%s: tensor %s is NVFP4: this --tp gives a rank its columns %ld..%ld, which cuts a 16-element block; "
+            "choose a --tp that keeps them whole", t->file, t->name, c0, c0 + cols - 1);
+    if (t->data) m.data = (const char *)t->data + (fmt == DT_NVFP4 ? ((size_t)r0 * d1 + c0) / 2 : ((size_t)r0 * d1 + c0) * dtype_size[fmt]);
+    if (fmt == DT_NVFP4) m.bld = (size_t)d1 / 16;
+    if (fmt == DT_NVFP4 && ws->data) {   /* (no data: a --random matrix the GPU draws) */
+        m.bs = (const uint8_t *)ws->data + (size_t)r0 * m.bld + c0 / 16;
+        for (long i = 0; i < rows; i++)
+            for (long b = 0; b < cols / 16; b++)
+                if ((m.bs[i * m.bld + b] & 0x7F) == 0x7F)
+                    die("%s: tensor %s: block scale [%ld, %ld] is 0x%02X, a NaN", ws->file, ws->name, r0 + i, c0 / 16 + b, m.bs[i * m.bld + b]);
+    }
+    return m;
 }
 
 /* An fp32 copy of elements [i0, i0+n) of a small tensor (norms, conv, A_log, D, dt_bias). */
@@ -1671,24 +1927,25 @@ static void build_weights(Weights *w, const Checkpoint *ck, const Config *c, con
     char name[256];
     int H = c->hidden, r = s->rank;
     memset(w, 0, sizeof *w);
-    const Tensor *emb = st_find(ck, "embeddings.weight");
-    if (!emb) emb = st_find(ck, "embedding.weight");  /* older NVIDIA checkpoints */
-    emb = st_get(ck, emb ? emb->name : "embeddings.weight", c->vocab, H);
-    w->embed = mat_view(emb, 0, c->vocab, 0, H);
-    w->lm_head = mat_view(st_get(ck, "lm_head.weight", c->vocab, H), (long)r * s->vocab, s->vocab, 0, H);
+    /* the embedding table (backbone.embedding in older NVIDIA checkpoints) is no projection: its
+       format is not checked against the config, whose exclude lists leave it out */
+    const char *emb = st_find(ck, "embeddings.weight") || !st_find(ck, "embedding.weight") ? "embeddings" : "embedding";
+    w->embed = load_mat(ck, emb, c->vocab, H, 0, c->vocab, 0, H, 0);
+    w->lm_head = load_mat(ck, "lm_head", c->vocab, H, (long)r * s->vocab, s->vocab, 0, H, 1);
     w->norm_f = small_f32(st_get(ck, "norm_f.weight", H, 0), 0, (size_t)H);
 #define T2(field, d0, d1) (snprintf(name, sizeof name, "layers.%d.%s", l, field), st_get(ck, name, d0, d1))
+#define M2(field, d0, d1, r0, rows, c0, cols) (snprintf(name, sizeof name, "layers.%d.mixer.%s", l, field), \
+                                              load_mat(ck, name, d0, d1, r0, rows, c0, cols, 1))
     for (int l = 0; l < c->n_layers; l++) {
         Layer *L = &w->layer[l];
         L->kind = c->kind[l];
         L->norm = small_f32(T2("norm.weight", H, 0), 0, (size_t)H);
         if (L->kind == K_MAMBA) {
             int di = c->m_heads * c->m_hdim, gn = c->n_groups * c->d_state, conv = di + 2 * gn, gl = s->groups * c->d_state;
-            const Tensor *in = T2("mixer.in_proj.weight", 2 * di + 2 * gn + c->m_heads, H);
             /* each segment of [z | x | B | C | dt] is split contiguously, so heads and groups stay whole */
             long seg0[5] = {0, di, 2L * di, 2L * di + gn, 2L * di + 2L * gn};
             long rows[5] = {s->d_inner, s->d_inner, gl, gl, s->m_heads};
-            for (int k = 0; k < 5; k++) L->in_proj[k] = mat_view(in, seg0[k] + r * rows[k], rows[k], 0, H);
+            for (int k = 0; k < 5; k++) L->in_proj[k] = M2("in_proj", 2 * di + 2 * gn + c->m_heads, H, seg0[k] + r * rows[k], rows[k], 0, H);
             const Tensor *cw = T2("mixer.conv1d.weight", conv, c->d_conv);
             size_t K = (size_t)c->d_conv;
             L->conv_w = xmalloc((size_t)s->conv * K * sizeof(float));
@@ -1708,16 +1965,20 @@ static void build_weights(Weights *w, const Checkpoint *ck, const Config *c, con
             L->D = small_f32(T2("mixer.D", c->m_heads, 0), h0, m_heads);
             L->dt_bias = small_f32(T2("mixer.dt_bias", c->m_heads, 0), h0, m_heads);
             L->gnorm = small_f32(T2("mixer.norm.weight", di, 0), (size_t)r * s->d_inner, (size_t)s->d_inner);
-            L->out = mat_view(T2("mixer.out_proj.weight", H, di), 0, H, (long)r * s->d_inner, s->d_inner);
+            L->out = M2("out_proj", H, di, 0, H, (long)r * s->d_inner, s->d_inner);
         } else if (L->kind == K_ATTN) {
             int hd = c->head_dim;
-            L->wq = mat_view(T2("mixer.q_proj.weight", c->n_heads * hd, H), (long)s->q0 * hd, s->q * hd, 0, H);
-            L->wk = mat_view(T2("mixer.k_proj.weight", c->n_kv * hd, H), (long)s->kv0 * hd, s->kv * hd, 0, H);
-            L->wv = mat_view(T2("mixer.v_proj.weight", c->n_kv * hd, H), (long)s->kv0 * hd, s->kv * hd, 0, H);
-            L->wo = mat_view(T2("mixer.o_proj.weight", H, c->n_heads * hd), 0, H, (long)s->q0 * hd, s->q * hd);
+            L->wq = M2("q_proj", c->n_heads * hd, H, (long)s->q0 * hd, s->q * hd, 0, H);
+            L->wk = M2("k_proj", c->n_kv * hd, H, (long)s->kv0 * hd, s->kv * hd, 0, H);
+            L->wv = M2("v_proj", c->n_kv * hd, H, (long)s->kv0 * hd, s->kv * hd, 0, H);
+            L->wo = M2("o_proj", H, c->n_heads * hd, 0, H, (long)s->q0 * hd, s->q * hd);
+            /* an FP8 KV cache's scales: read and checked; the cache stays bf16 (or fp32) */
+            static const char *kv_scale[] = {"mixer.k_proj.k_scale", "mixer.v_proj.v_scale"};
+            for (int k = 0; k < 2; k++)
+                if (snprintf(name, sizeof name, "layers.%d.%s", l, kv_scale[k]), st_find(ck, name)) st_scale(st_find(ck, name));
         } else if (L->kind == K_MLP) {
-            L->up = mat_view(T2("mixer.up_proj.weight", c->mlp, H), (long)r * s->mlp, s->mlp, 0, H);
-            L->down = mat_view(T2("mixer.down_proj.weight", H, c->mlp), 0, H, (long)r * s->mlp, s->mlp);
+            L->up = M2("up_proj", c->mlp, H, (long)r * s->mlp, s->mlp, 0, H);
+            L->down = M2("down_proj", H, c->mlp, 0, H, (long)r * s->mlp, s->mlp);
         } else {
             int E = c->n_experts, d = c->latent ? c->latent : H, m = c->moe;
             L->gate = small_f32(T2("mixer.gate.weight", E, H), 0, (size_t)E * H);
@@ -1728,20 +1989,21 @@ static void build_weights(Weights *w, const Checkpoint *ck, const Config *c, con
             L->edown = xcalloc((size_t)E, sizeof(Mat));
             for (int e = 0; e < E; e++) {
                 char f[64];
-                const Tensor *u = up ? up : (snprintf(f, sizeof f, "mixer.experts.%d.up_proj.weight", e), T2(f, m, d));
-                const Tensor *dn = down ? down : (snprintf(f, sizeof f, "mixer.experts.%d.down_proj.weight", e), T2(f, d, m));
-                L->eup[e] = mat_view(u, (up ? (long)e * m : 0) + (long)r * s->moe, s->moe, 0, d);
-                L->edown[e] = mat_view(dn, down ? (long)e * d : 0, d, (long)r * s->moe, s->moe);
+                L->eup[e] = up ? mat_view(up, (long)e * m + (long)r * s->moe, s->moe, 0, d)
+                               : (snprintf(f, sizeof f, "experts.%d.up_proj", e), M2(f, m, d, (long)r * s->moe, s->moe, 0, d));
+                L->edown[e] = down ? mat_view(down, (long)e * d, d, (long)r * s->moe, s->moe)
+                                   : (snprintf(f, sizeof f, "experts.%d.down_proj", e), M2(f, d, m, 0, d, (long)r * s->moe, s->moe));
             }
-            L->sup = mat_view(T2("mixer.shared_experts.up_proj.weight", c->shared, H), (long)r * s->shared, s->shared, 0, H);
-            L->sdown = mat_view(T2("mixer.shared_experts.down_proj.weight", H, c->shared), 0, H, (long)r * s->shared, s->shared);
+            L->sup = M2("shared_experts.up_proj", c->shared, H, (long)r * s->shared, s->shared, 0, H);
+            L->sdown = M2("shared_experts.down_proj", H, c->shared, 0, H, (long)r * s->shared, s->shared);
             if (c->latent) {
-                L->lat_in = mat_view(T2("mixer.fc1_latent_proj.weight", c->latent, H), 0, c->latent, 0, H);
-                L->lat_out = mat_view(T2("mixer.fc2_latent_proj.weight", H, c->latent), 0, H, 0, c->latent);
+                L->lat_in = M2("fc1_latent_proj", c->latent, H, 0, c->latent, 0, H);
+                L->lat_out = M2("fc2_latent_proj", H, c->latent, 0, H, 0, c->latent);
             }
         }
     }
 #undef T2
+#undef M2
 }
 
 static void free_weights(Weights *w, const Config *c) {
@@ -2478,12 +2740,17 @@ static const MoePreset moe_presets[] = {
     {"nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 1024, 5.0f},
 };
 
-static const Preset *find_preset(const char *name) {
+/* A preset by name; a suffix -fp8 or -nvfp4 asks for the quantized release's layout (*quant: DT_FP8,
+ * DT_NVFP4; else 0). */
+static const Preset *find_preset(const char *name, int *quant) {
+    size_t n = strlen(name);
+    *quant = n > 4 && !strcmp(name + n - 4, "-fp8") ? DT_FP8 : n > 6 && !strcmp(name + n - 6, "-nvfp4") ? DT_NVFP4 : 0;
+    n -= *quant == DT_FP8 ? 4 : *quant ? 6 : 0;
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
-        if (strcmp(presets[i].name, name) == 0) return &presets[i];
+        if (strlen(presets[i].name) == n && !strncmp(presets[i].name, name, n)) return &presets[i];
     char list[512] = "";
     for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) strcat(strcat(list, " "), presets[i].name);
-    die("--random %s: unknown preset; known:%s", name, list);
+    die("--random %s: unknown preset; known:%s (each also as NAME-fp8 or NAME-nvfp4)", name, list);
     return NULL;
 }
 
@@ -2503,15 +2770,17 @@ static void preset_config(Config *c, const Preset *p) {
     }
 }
 
-enum { W_MAT, W_ONE, W_ALOG, W_DTB, W_CONV, W_BIAS };  /* how a synthetic tensor is drawn */
+enum { W_MAT, W_ONE, W_ALOG, W_DTB, W_CONV, W_BIAS, W_CODE, W_SCALE };  /* how a synthetic tensor is drawn */
 
 /* Adds one synthetic tensor: matrices uniform with std fan_in^-0.5, fp32 vectors as a trained model
- * has them (norms near 1, A in [-16, -1], dt = softplus(dt_bias) log-uniform in [1e-3, 0.1]). */
+ * has them (norms near 1, A in [-16, -1], dt = softplus(dt_bias) log-uniform in [1e-3, 0.1]); for
+ * quantized matrices random codes (W_CODE: FP8 bytes but the NaNs, packed E2M1 pairs) in blocks of
+ * scale 1 (W_SCALE); d0 = 0: one F32 value, v. */
 static void add_random(Checkpoint *ck, const char *name, int dtype, long d0, long d1, int what, uint64_t seed, int host) {
     Tensor *t = ck_add(ck);
-    size_t numel = (size_t)d0 * (size_t)(d1 ? d1 : 1);
-    *t = (Tensor){xstrdup(name), dtype, d1 ? 2 : 1, {d0, d1}, NULL, ck->dir};
-    if (what == W_MAT && dtype == DT_BF16 && !host) return;  /* data NULL: the GPU backend draws it on the device */
+    size_t numel = (size_t)(d0 ? d0 : 1) * (size_t)(d1 ? d1 : 1);
+    *t = (Tensor){xstrdup(name), dtype, d0 ? d1 ? 2 : 1 : 0, {d0, d1}, NULL, ck->dir};
+    if ((what == W_MAT || what >= W_CODE) && dtype != DT_F32 && !host) return;  /* data NULL: the GPU backend draws it */
     void *buf = xmalloc(numel * (size_t)dtype_size[dtype]);
     float a = d1 ? sqrtf(3.0f / (float)d1) : 0;
     for (size_t k = 0; k < numel; k++) {
@@ -2522,6 +2791,8 @@ static void add_random(Checkpoint *ck, const char *name, int dtype, long d0, lon
         case W_ALOG: v = logf(1.0f + 15.0f * u); break;
         case W_DTB: { float dt = expf(logf(1e-3f) + u * logf(100.0f)); v = dt + logf(-expm1f(-dt)); break; }
         case W_CONV: v = (2 * u - 1) * 0.5f; break;
+        case W_CODE: ((uint8_t *)buf)[k] = (uint8_t)(u * 256) ^ (dtype == DT_FP8 && ((uint8_t)(u * 256) & 0x7F) == 0x7F); continue;
+        case W_SCALE: ((uint8_t *)buf)[k] = 0x38; continue;   /* e4m3 1.0 */
         default: v = 0.1f * (2 * u - 1);
         }
         if (dtype == DT_F32) { ((float *)buf)[k] = v; continue; }
@@ -2532,58 +2803,116 @@ static void add_random(Checkpoint *ck, const char *name, int dtype, long d0, lon
     t->data = buf;
 }
 
+/* Root mean square of the values of every code of a format (FP8 less its NaNs; E2M1), for the scale
+ * that gives random codes the std of a bf16 matrix. */
+static float code_rms(int fmt) {
+    double ss = 0;
+    int n = fmt == DT_FP8 ? 256 : 16, k = 0;
+    for (int b = 0; b < n; b++) {
+        float v = fmt == DT_FP8 ? e4m3_to_f32((uint8_t)b) : e2m1_to_f32((unsigned)b);
+        if (v == v) { ss += (double)v * v; k++; }
+    }
+    return (float)sqrt(ss / k);
+}
+
+/* A synthetic matrix `name`.weight [d0, d1] in format fmt (DT_BF16, DT_FP8, DT_NVFP4), with std
+ * d1^-0.5 as add_random draws a bf16 one; a quantized one's scales as ModelOpt stores them. */
+static void add_matrix(Checkpoint *ck, const char *name, int fmt, long d0, long d1, uint64_t seed, int host) {
+    char nm[160];
+    float sd = 1.0f / sqrtf((float)d1);
+    snprintf(nm, sizeof nm, "%s.weight", name);
+    if (fmt == DT_BF16) { add_random(ck, nm, DT_BF16, d0, d1, W_MAT, seed, host); return; }
+    add_random(ck, nm, fmt == DT_FP8 ? DT_FP8 : DT_U8, d0, fmt == DT_FP8 ? d1 : d1 / 2, W_CODE, seed, host);
+    if (fmt == DT_NVFP4) {
+        snprintf(nm, sizeof nm, "%s.weight_scale", name);
+        add_random(ck, nm, DT_FP8, d0, d1 / 16, W_SCALE, seed, host);
+    }
+    snprintf(nm, sizeof nm, "%s.weight_scale%s", name, fmt == DT_NVFP4 ? "_2" : "");
+    add_random(ck, nm, DT_F32, 0, 0, W_ONE, seed, 1);
+    float v = sd / code_rms(fmt);
+    memcpy((void *)ck->t[ck->n - 1].data, &v, 4);
+}
+
+/* The format --random gives a matrix of layer l (what: "in_proj", "out_proj", "q_proj", "o_proj",
+ * "up_proj", "experts", "shared", "fc1", "fc2"; mamba, moe, attn: the layer's rank among its kind,
+ * n_attn of them), quant being DT_FP8 or DT_NVFP4, as NVIDIA's releases quantize (notes: quantized
+ * checkpoints, section 6): dense models every projection; Nemotron 3 Nano the experts and the Mamba
+ * layers but those feeding attention; Super FP8 the experts and every Mamba layer; Super NVFP4 its
+ * published mix (NVFP4 routed experts, FP8 shared experts, FP8 in_proj on 28 of 40 Mamba layers and
+ * out_proj on 29, FP8 fc1 on 3 MoE layers and fc2 on 1, FP8 o_proj on 2 attention layers). */
+static int preset_fmt(const Config *c, int quant, int l, const char *what, int mamba, int moe, int attn, int n_attn) {
+    int mam = !strcmp(what, "in_proj") || !strcmp(what, "out_proj"), ex = !strcmp(what, "experts") || !strcmp(what, "shared");
+    if (!quant) return DT_BF16;
+    if (!has_kind(c, K_MOE)) return quant;
+    if (!c->latent) return ex || (mam && !(l + 1 < c->n_layers && c->kind[l + 1] == K_ATTN)) ? quant : DT_BF16;
+    if (quant == DT_FP8) return ex || mam ? DT_FP8 : DT_BF16;
+    if (!strcmp(what, "experts")) return DT_NVFP4;
+    int fp8 = !strcmp(what, "shared") || (!strcmp(what, "in_proj") && mamba < 28) || (!strcmp(what, "out_proj") && mamba < 29) ||
+              (!strcmp(what, "fc1") && moe < 3) || (!strcmp(what, "fc2") && moe < 1) || (!strcmp(what, "o_proj") && attn >= n_attn - 2);
+    return fp8 ? DT_FP8 : DT_BF16;
+}
+
 /* A checkpoint held in memory with every tensor the config names, in NVIDIA's layout (one tensor per
- * expert); with host 0 the bf16 matrices are left for the GPU backend to draw (an 8B model's 16 GB is
- * quicker made on the device). The fp32 router weight is always drawn here: the host reads it. */
-static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t seed, int host) {
+ * expert), its matrices quantized as preset_fmt says for quant (0: none); with host 0 the matrices
+ * are left for the GPU backend to draw (an 8B model's 16 GB is quicker made on the device). The fp32
+ * router weight is always drawn here: the host reads it. */
+static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t seed, int host, int quant) {
     memset(ck, 0, sizeof *ck);
     ck->dir = "(random)";
     ck->owned = 1;
+    ck->q.algo = Q_ANY;
     int H = c->hidden, di = c->m_heads * c->m_hdim, gn = c->n_groups * c->d_state, q = c->n_heads * c->head_dim,
-        kv = c->n_kv * c->head_dim;
+        kv = c->n_kv * c->head_dim, mamba = 0, moe = 0, attn = 0, n_attn = 0;
+    for (int l = 0; l < c->n_layers; l++) n_attn += c->kind[l] == K_ATTN;
     char nm[128];
     add_random(ck, "backbone.embeddings.weight", DT_BF16, c->vocab, H, W_MAT, seed, host);
     add_random(ck, "backbone.norm_f.weight", DT_F32, H, 0, W_ONE, seed, host);
     add_random(ck, "lm_head.weight", DT_BF16, c->vocab, H, W_MAT, seed, host);
     for (int l = 0; l < c->n_layers; l++) {
 #define ADD(field, dt, d0, d1, what) (snprintf(nm, sizeof nm, "backbone.layers.%d.%s", l, field), add_random(ck, nm, dt, d0, d1, what, seed, host))
+#define MAT(field, what, d0, d1) (snprintf(nm, sizeof nm, "backbone.layers.%d.mixer.%s", l, field), \
+                                  add_matrix(ck, nm, preset_fmt(c, quant, l, what, mamba, moe, attn, n_attn), d0, d1, seed, host))
         ADD("norm.weight", DT_F32, H, 0, W_ONE);
         if (c->kind[l] == K_MAMBA) {
-            ADD("mixer.in_proj.weight", DT_BF16, 2 * di + 2 * gn + c->m_heads, H, W_MAT);
+            MAT("in_proj", "in_proj", 2 * di + 2 * gn + c->m_heads, H);
             ADD("mixer.conv1d.weight", DT_F32, di + 2 * gn, c->d_conv, W_CONV);
             ADD("mixer.conv1d.bias", DT_F32, di + 2 * gn, 0, W_BIAS);
             ADD("mixer.A_log", DT_F32, c->m_heads, 0, W_ALOG);
             ADD("mixer.D", DT_F32, c->m_heads, 0, W_ONE);
             ADD("mixer.dt_bias", DT_F32, c->m_heads, 0, W_DTB);
             ADD("mixer.norm.weight", DT_F32, di, 0, W_ONE);
-            ADD("mixer.out_proj.weight", DT_BF16, H, di, W_MAT);
+            MAT("out_proj", "out_proj", H, di);
+            mamba++;
         } else if (c->kind[l] == K_ATTN) {
-            ADD("mixer.q_proj.weight", DT_BF16, q, H, W_MAT);
-            ADD("mixer.k_proj.weight", DT_BF16, kv, H, W_MAT);
-            ADD("mixer.v_proj.weight", DT_BF16, kv, H, W_MAT);
-            ADD("mixer.o_proj.weight", DT_BF16, H, q, W_MAT);
+            MAT("q_proj", "q_proj", q, H);
+            MAT("k_proj", "q_proj", kv, H);
+            MAT("v_proj", "q_proj", kv, H);
+            MAT("o_proj", "o_proj", H, q);
+            attn++;
         } else if (c->kind[l] == K_MLP) {
-            ADD("mixer.up_proj.weight", DT_BF16, c->mlp, H, W_MAT);
-            ADD("mixer.down_proj.weight", DT_BF16, H, c->mlp, W_MAT);
+            MAT("up_proj", "up_proj", c->mlp, H);
+            MAT("down_proj", "up_proj", H, c->mlp);
         } else {
             int d = c->latent ? c->latent : H;
             char f[64];
             ADD("mixer.gate.weight", DT_F32, c->n_experts, H, W_MAT);
             ADD("mixer.gate.e_score_correction_bias", DT_F32, c->n_experts, 0, W_BIAS);
             for (int e = 0; e < c->n_experts; e++) {
-                snprintf(f, sizeof f, "mixer.experts.%d.up_proj.weight", e);
-                ADD(f, DT_BF16, c->moe, d, W_MAT);
-                snprintf(f, sizeof f, "mixer.experts.%d.down_proj.weight", e);
-                ADD(f, DT_BF16, d, c->moe, W_MAT);
+                snprintf(f, sizeof f, "experts.%d.up_proj", e);
+                MAT(f, "experts", c->moe, d);
+                snprintf(f, sizeof f, "experts.%d.down_proj", e);
+                MAT(f, "experts", d, c->moe);
             }
-            ADD("mixer.shared_experts.up_proj.weight", DT_BF16, c->shared, H, W_MAT);
-            ADD("mixer.shared_experts.down_proj.weight", DT_BF16, H, c->shared, W_MAT);
+            MAT("shared_experts.up_proj", "shared", c->shared, H);
+            MAT("shared_experts.down_proj", "shared", H, c->shared);
             if (c->latent) {
-                ADD("mixer.fc1_latent_proj.weight", DT_BF16, c->latent, H, W_MAT);
-                ADD("mixer.fc2_latent_proj.weight", DT_BF16, H, c->latent, W_MAT);
+                MAT("fc1_latent_proj", "fc1", c->latent, H);
+                MAT("fc2_latent_proj", "fc2", H, c->latent);
             }
+            moe++;
         }
 #undef ADD
+#undef MAT
     }
     st_sort(ck);
 }
@@ -3100,6 +3429,12 @@ static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOp
     return st;
 }
 
+/* Bytes a matrix element takes as stored (NVFP4: half a byte and its share of a block scale); the
+ * GPU keeps f16 as fp32. */
+static double elem_bytes(const Mat *m, int gpu) {
+    return m->dtype == DT_NVFP4 ? 0.5 + 1.0 / 16 : m->dtype == DT_F16 && gpu ? 4 : dtype_size[m->dtype];
+}
+
 /* Bytes one decode step moves through memory on one rank: every weight matrix once (one row of the
  * embedding; of the routed experts only the top_k a token chooses, with the router, the shared expert
  * and the latent projections), the Mamba conv and SSM state read and written, the KV cache read up to pos. */
@@ -3107,7 +3442,7 @@ static double decode_bytes(const Rank *r, int pos, int gpu) {
     const Config *c = r->c;
     const Shard *s = &r->s;
     double b = 0;
-#define MB(m, rows) ((double)(rows) * (m).cols * ((m).dtype == DT_BF16 ? 2 : gpu ? 4 : dtype_size[(m).dtype]))
+#define MB(m, rows) ((double)(rows) * (m).cols * elem_bytes(&(m), gpu))
     b += MB(r->w.embed, 1) + MB(r->w.lm_head, s->vocab);
     for (int l = 0; l < c->n_layers; l++) {
         const Layer *L = &r->w.layer[l];
@@ -3342,7 +3677,8 @@ int main(int argc, char **argv) {
        context bounds the prompt (--encode needs no model, only its directory's tokenizer.json) */
     double t0 = now_s();
     Engine e = {0};
-    if (preset) preset_config(&e.c, find_preset(preset));
+    int quant = 0;   /* --random NAME-fp8 / NAME-nvfp4 */
+    if (preset) preset_config(&e.c, find_preset(preset, &quant));
     else if (!encode) config_load(&e.c, dir);
     else if (!tok_path) model_dir(dir);
     if (ctx == 0) ctx = e.c.ctx;
@@ -3405,7 +3741,7 @@ int main(int argc, char **argv) {
     Checkpoint ck;
     int n_mtp = 0;
     if (preset) {
-        build_random_checkpoint(&ck, &e.c, 1234, gpus == 0);
+        build_random_checkpoint(&ck, &e.c, 1234, gpus == 0, quant);
     } else {
         build_checkpoint(&ck, dir);
         n_mtp = st_check_extra(&ck, &e.c);

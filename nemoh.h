@@ -25,7 +25,9 @@ extern "C" {
  * Model configuration (from config.json) and one rank's share of it
  * ---------------------------------------------------------------------------------------------- */
 
-enum { DT_F32, DT_BF16, DT_F16 };   /* storage dtypes nemoh reads */
+/* Element formats. A tensor on disk is F32, BF16, F16, F8_E4M3 or U8; a matrix (Mat) is one of the
+ * first four or DT_NVFP4, whose weight is a U8 tensor of packed E2M1 pairs beside its block scales. */
+enum { DT_F32, DT_BF16, DT_F16, DT_FP8, DT_U8, DT_NVFP4 };
 enum { MAX_LAYERS = 512, MAX_EOS = 8 };
 enum { SNAPSHOT_SLOTS = 2 };        /* saved recurrent states a rank keeps for --chat */
 
@@ -86,11 +88,20 @@ static inline int y_width(const Config *c, const Shard *s) {
  * Weights: 2-D views into the mmapped checkpoint (never copied on the CPU)
  * ---------------------------------------------------------------------------------------------- */
 
+/* A matrix that knows its format (ModelOpt's quantized ones as NVIDIA publishes them):
+ *   DT_F32, DT_BF16, DT_F16  W[i][k] = data[i][k]
+ *   DT_FP8                   W[i][k] = e4m3(data[i][k]) * scale                 (weight_scale)
+ *   DT_NVFP4                 W[i][k] = e2m1(nibble k of row i) * (e4m3(bs[i][k / 16]) * scale)
+ * with data[i][k] the element i * ld + k; an NVFP4 byte holds element 2j in its low nibble, 2j + 1
+ * in its high one, and scale is weight_scale_2. mat_at() below is the one definition of the formats. */
 typedef struct {
-    const void *data;           /* first element of the view, inside the mmapped file */
-    int dtype;                  /* DT_F32 / DT_BF16 / DT_F16 */
+    const void *data;           /* first element of the view, inside the mmapped file (NVFP4: its byte) */
+    int dtype;                  /* DT_F32 / DT_BF16 / DT_F16 / DT_FP8 / DT_NVFP4 */
     int rows, cols;             /* shape of the view */
     size_t ld;                  /* elements between the starts of consecutive rows */
+    const uint8_t *bs;          /* DT_NVFP4: [rows, bld] E4M3 block scales, from the view's first block */
+    size_t bld;                 /* DT_NVFP4: block scales between the starts of consecutive rows */
+    float scale;                /* DT_FP8, DT_NVFP4: the per-tensor scale; 1 otherwise */
 } Mat;
 
 typedef struct {
@@ -225,12 +236,45 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
-/* Element i of a stored row, as fp32. */
+/* FP8 E4M3 (OCP "fn": no infinities; 0x7F and 0xFF are NaN): sign, 4 exponent bits (bias 7), 3
+ * mantissa bits; e = 0: m * 2^-9, else (1 + m / 8) * 2^(e - 7). Exact in fp32. */
+static inline float e4m3_to_f32(uint8_t b) {
+    uint32_t e = (b >> 3) & 15, m = b & 7, u;
+    float f;
+    if ((b & 0x7F) == 0x7F) return NAN;
+    if (e) { u = (uint32_t)(b >> 7) << 31 | (e + 120) << 23 | m << 20; memcpy(&f, &u, 4); return f; }
+    f = (float)m * 0.001953125f;
+    return b >> 7 ? -f : f;
+}
+
+/* FP4 E2M1: bit 3 the sign, bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}. */
+static inline float e2m1_to_f32(unsigned n) {
+    static const float v[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+    return v[n & 15];
+}
+
+/* Element i of a stored row of a plain (unscaled) dtype, as fp32. */
 static inline float load_f32(const void *p, int dtype, size_t i) {
     if (dtype == DT_F32) { float f; memcpy(&f, (const char *)p + 4 * i, 4); return f; }
     uint16_t h;
     memcpy(&h, (const char *)p + 2 * i, 2);
     return dtype == DT_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+/* NVFP4 block scale of element (i, k): e4m3(bs[i][k / 16]) * weight_scale_2, one fp32 rounding. */
+static inline float nvfp4_block_scale(const Mat *W, size_t i, size_t k) {
+    return e4m3_to_f32(W->bs[i * W->bld + k / 16]) * W->scale;
+}
+
+/* W[i][k] as fp32: the dequantization, in ModelOpt's order (bit for bit its formula). */
+static inline float mat_at(const Mat *W, size_t i, size_t k) {
+    const uint8_t *p = (const uint8_t *)W->data;
+    if (W->dtype == DT_FP8) return e4m3_to_f32(p[i * W->ld + k]) * W->scale;
+    if (W->dtype == DT_NVFP4) {
+        uint8_t b = p[(i * W->ld + k) / 2];
+        return e2m1_to_f32(k & 1 ? b >> 4 : b & 15) * nvfp4_block_scale(W, i, k);
+    }
+    return load_f32(W->data, W->dtype, i * W->ld + k);
 }
 
 /* e^x: the GPU's fast approximation (__expf, a few ulp) in kernels, libm's expf on the host. */

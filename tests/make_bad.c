@@ -210,7 +210,7 @@ int main(int argc, char **argv) {
     emit("short-file", "shorter than the 8-byte header length", good_config, header, 0, 5);
     emit("header-length", "exceeds the file size", good_config, header, 1ull << 40, 0);
     emit("bad-header-json", "malformed JSON", good_config, replace(header, "\"dtype\":", "\"dtype\" "), 0, 0);
-    emit("unknown-dtype", "has dtype F8_E4M3", good_config, replace(header, "\"dtype\":\"BF16\"", "\"dtype\":\"F8_E4M3\""), 0, 0);
+    emit("unknown-dtype", "has dtype F8_E5M2", good_config, replace(header, "\"dtype\":\"BF16\"", "\"dtype\":\"F8_E5M2\""), 0, 0);
     emit("dtype-size", "bytes for", good_config, replace(header, "\"dtype\":\"BF16\"", "\"dtype\":\"F32\""), 0, 0);
 
     unsigned long long b0, e0, b1, e1;
@@ -256,8 +256,8 @@ int main(int argc, char **argv) {
     strcpy(z - 1, "]},");
     emit("many-values", "more than 4194304 values", good_config, with_entries(zeros), 0, 0);
     free(zeros);
-    emit("forged-line", "has dtype F8_E4M3", good_config,
-         with_entries("\"evil\\nnemoh: all good, loaded\\u001b[2J\":{\"dtype\":\"F8_E4M3\",\"shape\":[0],\"data_offsets\":[0,0]},"), 0, 0);
+    emit("forged-line", "has dtype F8_E5M2", good_config,
+         with_entries("\"evil\\nnemoh: all good, loaded\\u001b[2J\":{\"dtype\":\"F8_E5M2\",\"shape\":[0],\"data_offsets\":[0,0]},"), 0, 0);
     emit("duplicate-name", "appears twice", good_config,
          with_entries("\"backbone.norm_f.weight\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[0,0]},"), 0, 0);
     emit("no-tensors", "tensor embeddings.weight not found", good_config, "{\"__metadata__\":{\"format\":\"pt\"}}", 0, 0);
