@@ -17,6 +17,20 @@ transformers' pure-torch Mamba path clamps dt at time_step_min; production kerne
 reference is made with the clamp removed, with some dt_bias pushed low so that a clamping engine fails.
 MoE fixtures also avoid near-ties in the router (an engine's rounding must not flip an expert choice)
 and record the router's smallest choice margin.
+
+Quantized fixtures (tiny-q-*; python3 tools/make_fixtures.py tests/fixtures 'tiny-q-*'): NVIDIA layout with
+chosen matrices in NVIDIA ModelOpt's on-disk form, every other matrix BF16 (vectors F32). FP8 per tensor:
+P.weight F8_E4M3 [out, in], P.weight_scale F32 [], P.input_scale F32 []. NVFP4: P.weight U8 [out, in/2]
+(element 2j in the low nibble), P.weight_scale F8_E4M3 [out, in/16], P.weight_scale_2 F32 [], and
+P.input_scale F32 [] unless W4A16_NVFP4. An FP8 KV cache adds mixer.k_proj.k_scale / v_proj.v_scale.
+input_scale, k_scale and v_scale are calibrated by hooks on one forward of the fixture's sequence.
+hf_quant_config.json and/or config.json's quantization_config describe them (exclude list, or
+MIXED_PRECISION's quantized_layers). The reference runs on the dequantized weights (what a W8A16 / W4A16
+engine computes); the directory also holds
+  dequant.safetensors                   F32 [out, in] under each quantized weight's name: the dequantized
+                                        matrix the reference used, for a bit-exact check of a loader
+and ref.json "quantized": {weight name: "FP8" | "NVFP4"}. The written files are read back, dequantized
+from their bytes and run again ("reread_max_diff", 0 expected): transformers cannot load ModelOpt files.
 """
 import fnmatch, inspect, json, math, os, shutil, sys
 import torch
@@ -62,6 +76,42 @@ FIXTURES = [
          pattern="MEM*E-E", heads=8, kv=2, head_dim=8, mlp=32, m_heads=8, m_hdim=8, groups=4, state=8,
          experts=16, top_k=5, n_group=4, topk_group=2, moe=16, shared=28, latent=24, norm_topk=True,
          scale=5.0, prompt=27, gen=18, seed=13),
+    # ModelOpt-quantized, NVIDIA layout, BF16 elsewhere. quant: algo (quant_algo), kv ("FP8": k/v scales), files
+    # ("hf": hf_quant_config.json, "config": config.json's quantization_config, "both"), rules (module fnmatch
+    # pattern -> format, first match wins, none = BF16), exclude (fnmatch patterns; default: every unquantized
+    # projection, lm_head and conv1d by exact name). Every quantized K divides by 16, a row-parallel one's by 32
+    # (--tp 2 keeps 16-element blocks whole).
+    # Nemotron-3-Nano-like NVFP4 (W4A4: input_scale), hf_quant_config.json only: experts and shared experts,
+    # Mamba layers 0 and 5 NVFP4; Mamba layer 2 (feeding attention), attention, lm_head, conv1d BF16, excluded
+    dict(name="tiny-q-nvfp4-moe", store="bf16", layout="nvidia", shards=1, vocab=256, hidden=48,
+         pattern="MEM*EME", heads=4, kv=2, head_dim=16, mlp=64, m_heads=8, m_hdim=8, groups=2, state=16,
+         experts=8, top_k=2, n_group=1, topk_group=1, moe=32, shared=32, latent=None, norm_topk=True,
+         scale=2.5, prompt=29, gen=18, seed=21,
+         quant=dict(algo="NVFP4", kv="FP8", files="hf", rules=[("*.mixer.experts.*", "NVFP4"),
+                    ("*.mixer.shared_experts.*", "NVFP4"), ("backbone.layers.[05].mixer.*_proj", "NVFP4")])),
+    # Nemotron-3-Super-like MIXED_PRECISION in config.json only (ignore: []): routed experts NVFP4, shared
+    # experts FP8, Mamba layer 0 in/out_proj and layer 2 out_proj FP8 (layer 5 BF16), layer 1's fc1_latent_proj
+    # FP8, o_proj FP8; two files: every matrix in the first, every scale and vector in the second
+    dict(name="tiny-q-mixed-latent", store="bf16", layout="nvidia", shards=2, vocab=256, hidden=64,
+         pattern="MEM*EME", heads=8, kv=2, head_dim=8, mlp=32, m_heads=8, m_hdim=8, groups=4, state=8,
+         experts=12, top_k=3, n_group=4, topk_group=2, moe=32, shared=32, latent=32, norm_topk=True,
+         scale=5.0, prompt=27, gen=18, seed=22,
+         quant=dict(algo="MIXED_PRECISION", kv="FP8", files="config", exclude=[], rules=[
+                    ("*.mixer.experts.*", "NVFP4"), ("*.mixer.shared_experts.*", "FP8"),
+                    ("backbone.layers.0.mixer.*_proj", "FP8"), ("backbone.layers.2.mixer.out_proj", "FP8"),
+                    ("backbone.layers.1.mixer.fc1_latent_proj", "FP8"), ("*.mixer.o_proj", "FP8")])),
+    # Nemotron-H-like dense FP8 (W8A8 files), both config forms: every Mamba, attention and MLP projection FP8
+    dict(name="tiny-q-fp8", store="bf16", layout="nvidia", shards=1, vocab=320, hidden=64,
+         pattern="M-M*-M-", heads=4, kv=2, head_dim=16, mlp=96, m_heads=8, m_hdim=8, groups=2, state=16,
+         prompt=31, gen=20, seed=23,
+         quant=dict(algo="FP8", kv="FP8", files="both", exclude=["lm_head", "backbone.layers.*.mixer.conv1d"],
+                    rules=[("*.mixer.*_proj", "FP8")])),
+    # dense W4A16_NVFP4 (no input_scale, no KV scales): every projection, lm_head and the embedding table NVFP4
+    dict(name="tiny-q-w4a16", store="bf16", layout="nvidia", shards=1, vocab=256, hidden=64,
+         pattern="M-M*-M", heads=4, kv=2, head_dim=16, mlp=64, m_heads=8, m_hdim=8, groups=2, state=8,
+         prompt=27, gen=18, seed=24,
+         quant=dict(algo="W4A16_NVFP4", kv=None, files="hf", exclude=["*.conv1d"], rules=[
+                    ("*_proj", "NVFP4"), ("lm_head", "NVFP4"), ("backbone.embeddings", "NVFP4")])),
 ]
 TOL = {"f32": 1e-4, "bf16": 1e-4, "f16": 1e-4}  # nemoh computes in fp32 on the stored weights, as HF does here
 
@@ -264,6 +314,194 @@ def stored(p, store):
     return p.half()
 
 
+# ---- ModelOpt quantization (ports of its FP8 amax/448 rule and NVFP4QTensor; see the docstring) ----
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+E2M1 = torch.cat([E2M1, -E2M1])  # by 4-bit code: bit 3 the sign (code 8 = -0.0)
+E2M1_TIES = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])  # midpoints between magnitudes 0..6
+
+
+def quantize_fp8(W):
+    """FP8 per tensor: {weight F8_E4M3 [out, in], weight_scale F32 []}."""
+    s = W.abs().max() / 448
+    return {"weight": (W / s).clamp(-448, 448).to(torch.float8_e4m3fn), "weight_scale": s}
+
+
+def quantize_nvfp4(W):
+    """NVFP4, blocks of 16 along in: {weight U8 [out, in/2] (element 2j low nibble), weight_scale F8_E4M3
+    [out, in/16], weight_scale_2 F32 []}. Codes round to the nearest E2M1 value, ties to the even code."""
+    N, K = W.shape
+    s2 = W.abs().max() / (6 * 448)
+    blocks = W.view(N, K // 16, 16)
+    amax = blocks.abs().amax(-1)
+    bs = (amax / (6 * s2)).clamp(2 ** -9, 448).masked_fill(amax == 0, 1.0).to(torch.float8_e4m3fn)
+    x = blocks / (bs.float() * s2)[..., None]
+    a = x.abs()
+    mag = torch.searchsorted(E2M1_TIES, a) + torch.isin(a, E2M1_TIES[1::2])  # a tie at an odd bound goes up
+    q = (mag.clamp(max=7) + 8 * (x < 0)).to(torch.uint8).view(N, K)
+    return {"weight": (q[:, 1::2] << 4) | q[:, 0::2], "weight_scale": bs, "weight_scale_2": s2}
+
+
+def dequant(t):
+    """The fp32 matrix [out, in] of a module's stored tensors, in ModelOpt's order: FP8 weight * weight_scale;
+    NVFP4 e2m1(code) * (f32(weight_scale) * weight_scale_2), each product one fp32 rounding."""
+    w = t["weight"]
+    if w.dtype == torch.float8_e4m3fn:
+        return w.float() * t["weight_scale"]
+    codes = torch.stack([w & 15, w >> 4], -1).view(len(w), -1).long()
+    s = t["weight_scale"].float() * t["weight_scale_2"]
+    return (E2M1[codes].view(len(w), -1, 16) * s[..., None]).view(len(w), -1)
+
+
+def nvidia_name(k):
+    return "backbone." + k[len("model."):] if k.startswith("model.") else k
+
+
+def modules(model):
+    """Every matrix by its NVIDIA module name (backbone.layers.3.mixer.in_proj; a routed expert's
+    backbone.layers.1.mixer.experts.5.up_proj): (parameter, expert index or None). conv1d (3-D) included."""
+    out = {}
+    for k, p in model.named_parameters():
+        k = nvidia_name(k)
+        if ".mixer.experts." in k:  # stacked [E, out, in]
+            base, proj = k.rsplit(".", 1)
+            out.update({f"{base}.{e}.{proj}": (p, e) for e in range(len(p))})
+        elif k.endswith(".weight") and p.ndim >= 2:
+            out[k[:-len(".weight")]] = (p, None)
+    return out
+
+
+def quant_format(f, m):
+    """The one place that decides module m's format in fixture f: "FP8", "NVFP4" or None (BF16)."""
+    return next((fmt for pat, fmt in f["quant"]["rules"] if fnmatch.fnmatchcase(m, pat)), None)
+
+
+@torch.no_grad()
+def quantize_model(model, f):
+    """Quantizes every module quant_format chooses and puts the dequantized matrix in its place, so the model
+    computes the reference on what an engine dequantizes. Returns {module: (format, stored tensors, dequant)}."""
+    out = {}
+    for m, (p, e) in modules(model).items():
+        fmt = quant_format(f, m)
+        if not fmt:
+            continue
+        W = p if e is None else p[e]
+        row = m.endswith(("out_proj", "o_proj", "down_proj", "fc2_latent_proj"))  # split along in by --tp
+        if W.ndim != 2 or W.shape[1] % (32 if row else 16):
+            raise SystemExit(f"{f['name']}: {m} {list(W.shape)} cannot be quantized in 16-element blocks")
+        t = (quantize_fp8 if fmt == "FP8" else quantize_nvfp4)(W.float().contiguous())
+        deq = dequant(t)
+        W.copy_(deq)
+        out[m] = (fmt, t, deq)
+    return out
+
+
+@torch.no_grad()
+def calibrate(model, f, seq, quant):
+    """Activation scales by hooks on one forward of seq: each quantized module's input_scale (amax of its input
+    / 448 for FP8, / (6*448) for NVFP4; a routed expert sees the tokens routed to it, one that saw none the
+    largest of its layer's experts, as ModelOpt does) unless W4A16, and for an FP8 KV cache each attention
+    layer's k_scale / v_scale (amax of the k_proj / v_proj output / 448). Returns {tensor name: F32 []}."""
+    amax, hooks = {}, []
+    def keep(name, t):
+        if t.numel():
+            amax[name] = max(amax.get(name, 0.0), float(t.abs().max()))
+    def experts_hook(base):
+        def hook(mod, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            act = getattr(mod, "act_fn", lambda t: torch.relu(t) ** 2)
+            for e in range(mod.up_proj.shape[0]):
+                xe = x[(idx == e).any(-1)]
+                keep(f"{base}.{e}.up_proj", xe)
+                keep(f"{base}.{e}.down_proj", act(torch.nn.functional.linear(xe, mod.up_proj[e])))
+        return hook
+    kv = f["quant"]["kv"] == "FP8"
+    for name, mod in model.named_modules():
+        m = nvidia_name(name)
+        if isinstance(mod, torch.nn.Linear):
+            hooks.append(mod.register_forward_pre_hook(lambda mod, a, m=m: keep(m, a[0])))
+        if m.endswith(".mixer.experts"):
+            hooks.append(mod.register_forward_pre_hook(experts_hook(m), with_kwargs=True))
+        if kv and m.endswith((".k_proj", ".v_proj")):
+            hooks.append(mod.register_forward_hook(lambda mod, a, out, m=m: keep(f"{m}.{m[-6]}_scale", out)))
+    full_logits(model, seq)
+    for h in hooks:
+        h.remove()
+    scales = {k: torch.tensor(v / 448, dtype=torch.float32) for k, v in amax.items() if k.endswith(("k_scale", "v_scale"))}
+    if f["quant"]["algo"] != "W4A16_NVFP4":
+        for m, (fmt, _, _) in quant.items():
+            if m == "backbone.embeddings":
+                continue  # a table look-up has no input to scale
+            if m not in amax and ".mixer.experts." in m:
+                base, _, proj = m.rsplit(".", 2)
+                amax[m] = max(v for k, v in amax.items() if k.startswith(base + ".") and k.endswith("." + proj))
+            if m not in amax:
+                raise SystemExit(f"{f['name']}: no forward hook saw the input of {m}")
+            scales[f"{m}.input_scale"] = torch.tensor(amax[m] / (448 if fmt == "FP8" else 6 * 448), dtype=torch.float32)
+    return scales
+
+
+def quant_configs(model, f, quant):
+    """ModelOpt's two descriptions of the quantization: hf_quant_config.json, and config.json's
+    quantization_config. The exclude list is checked against what is quantized (not for MIXED_PRECISION,
+    where a module absent from quantized_layers is unquantized); like NVIDIA's it omits routers and embeddings."""
+    q, mods = f["quant"], modules(model)
+    mixed = q["algo"] == "MIXED_PRECISION"
+    quiet = lambda m: m.endswith(".mixer.gate") or m == "backbone.embeddings"
+    exclude = q.get("exclude", [m for m in mods if m not in quant and not quiet(m)])
+    for m in mods if not mixed else []:
+        hit = any(fnmatch.fnmatchcase(m, p) for p in exclude)
+        if (hit and m in quant) or (not hit and m not in quant and not quiet(m)):
+            raise SystemExit(f"{f['name']}: exclude list {exclude} disagrees with {m}: {quant.get(m, ['BF16'])[0]}")
+    layers = {m: {"quant_algo": fmt} | ({"group_size": 16} if fmt == "NVFP4" else {}) for m, (fmt, _, _) in quant.items()}
+    producer = {"name": "modelopt", "version": "0.29.0"}
+    hf = {"quant_algo": q["algo"], "kv_cache_quant_algo": q["kv"]} | ({"group_size": 16} if "NVFP4" in q["algo"] else {})
+    hf |= {"exclude_modules": exclude} | ({"quantized_layers": layers} if mixed else {})
+    cfg = {"quant_method": "modelopt", "quant_algo": q["algo"], "ignore": exclude}
+    cfg |= ({"kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}} if q["kv"] == "FP8" else {})
+    cfg |= ({"quantized_layers": layers} if mixed else {}) | {"producer": producer}
+    return {"producer": producer, "quantization": hf}, cfg
+
+
+@torch.no_grad()
+def reread_diff(d, f, seq, ref):
+    """Reads the written checkpoint back as an engine would (the index's files or model.safetensors; each
+    matrix's format from its dtype), dequantizes it from the bytes (bit for bit what dequant.safetensors
+    holds), loads it into a fresh model and returns max |logits - reference| (transformers itself cannot
+    load ModelOpt files)."""
+    index = os.path.join(d, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    T, sd, experts = {}, {}, {}
+    for fn in files:
+        with safe_open(os.path.join(d, fn), "pt") as fh:
+            T.update({k: fh.get_tensor(k) for k in fh.keys()})
+    with safe_open(os.path.join(d, "dequant.safetensors"), "pt") as fh:
+        want = {k: fh.get_tensor(k) for k in fh.keys()}
+    fmts = {torch.uint8: "NVFP4", torch.float8_e4m3fn: "FP8"}
+    for k, v in T.items():
+        if k.endswith((".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")):
+            continue
+        if v.dtype in fmts:
+            m = k[:-len(".weight")]
+            v = dequant({s: T[f"{m}.{s}"] for s in ("weight", "weight_scale", "weight_scale_2") if f"{m}.{s}" in T})
+            if fmts[T[k].dtype] != quant_format(f, m) or k not in want or not torch.equal(v.view(torch.int32), want[k].view(torch.int32)):
+                raise SystemExit(f"{f['name']}: {k} read back is not the {quant_format(f, m)} matrix of dequant.safetensors")
+            want.pop(k)
+        k = "model." + k[len("backbone."):] if k.startswith("backbone.") else k
+        if ".mixer.experts." in k:  # model.layers.L.mixer.experts.E.up_proj.weight: stack the experts again
+            base, e, proj, _ = k.rsplit(".", 3)
+            experts.setdefault(f"{base}.{proj}", {})[int(e)] = v.float()
+        else:
+            sd[k] = v.float()
+    if want:
+        raise SystemExit(f"{f['name']}: quantized tensors missing from the checkpoint: {sorted(want)}")
+    sd |= {k: torch.stack([v[e] for e in range(len(v))]) for k, v in experts.items()}
+    m = eager_experts(NemotronHForCausalLM(NemotronHConfig(**hf_kwargs(f))).float().eval())
+    m.load_state_dict(sd)
+    set_clamp(m, False)
+    return float((full_logits(m, seq) - ref).abs().max())
+
+
 def make(f):
     g = torch.Generator().manual_seed(f["seed"])
     for attempt in range(30):
@@ -273,6 +511,7 @@ def make(f):
         with torch.no_grad():
             for p in list(model.parameters()) + list(model.buffers()):
                 p.copy_(stored(p, f["store"]).float())
+        quant = quantize_model(model, f) if "quant" in f else {}  # the model then holds the dequantized matrices
         set_clamp(model, False)
         prompt = torch.randint(3, f["vocab"], (f["prompt"],), generator=g).tolist()
         cont = greedy(model, prompt, f["gen"])
@@ -292,6 +531,7 @@ def make(f):
         raise SystemExit(f"{f['name']}: no usable draw")
     for k, v in checks.items():
         print(f"  {f['name']}: {k}: max |d logits| = {v:.3g}")
+    scales = calibrate(model, f, seq, quant) if quant else {}
 
     d = os.path.join(OUT, f["name"])
     shutil.rmtree(d, ignore_errors=True)
@@ -305,26 +545,35 @@ def make(f):
                   os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
         NemotronHConfig(**hf_kwargs(f)).save_pretrained(d)  # transformers' config.json (layers_block_type)
     else:
-        write_nvidia(model, f, d, g)
+        write_nvidia(model, f, d, g, quant, scales)
     extra = {}
-    if "E" in f["pattern"]:
+    if "E" in f["pattern"] and not quant:
         extra = {"router_min_margin": rmargin, "experts_on_disk": experts_on_disk(d),
                  "hf_from_pretrained_max_diff": reload_diff(d, seq, ref)}
         print(f"{f['name']}: experts stored {extra['experts_on_disk']}, transformers' from_pretrained of it "
               f"reproduces the reference logits within {extra['hf_from_pretrained_max_diff']}")
+    elif quant:
+        extra = ({"router_min_margin": rmargin, "experts_on_disk": experts_on_disk(d)} if "E" in f["pattern"] else {}) | {
+            "quant_algo": f["quant"]["algo"], "quantized": {m + ".weight": fmt for m, (fmt, _, _) in quant.items()},
+            "reread_max_diff": reread_diff(d, f, seq, ref)}
+        print(f"{f['name']}: {len(quant)} matrices quantized ({', '.join(sorted({v[0] for v in quant.values()}))}); "
+              f"the files read back and dequantized reproduce the reference logits within {extra['reread_max_diff']}")
+        if extra["reread_max_diff"] > 0.1 * TOL[f["store"]]:
+            raise SystemExit(f"{f['name']}: the written files do not hold what the reference ran")
     with open(os.path.join(d, "ref.json"), "w") as fh:
         json.dump({"prompt": prompt, "greedy": cont, "rows": len(seq), "vocab": f["vocab"],
                    "tolerance": TOL[f["store"]], "min_margin": margin, "hf_cached_path_max_diff": paths,
                    "component_checks": checks, **extra,
                    "made_by": "tools/make_fixtures.py with transformers " + __import__("transformers").__version__ +
-                              ", torch " + torch.__version__ + ", float32 on the CPU, dt clamp removed"}, fh, indent=1)
+                              ", torch " + torch.__version__ + ", float32 on the CPU, dt clamp removed" +
+                              (", on the dequantized weights" if quant else "")}, fh, indent=1)
     ref.numpy().astype("<f4").tofile(os.path.join(d, "ref_logits.bin"))
     for fn, ids in (("prompt.txt", prompt), ("greedy.txt", cont)):  # plain copies for test.sh
         with open(os.path.join(d, fn), "w") as fh:
             fh.write(" ".join(map(str, ids)) + "\n")
     size = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
     print(f"{f['name']}: {len(prompt)} prompt + {len(cont)} greedy tokens, margin {margin:.3g}, {size} bytes")
-    if "E" in f["pattern"] and size > 1 << 20:
+    if ("E" in f["pattern"] or quant) and size > 1 << 20:
         raise SystemExit(f"{f['name']}: {size} bytes, over the 1 MiB a fixture may take")
 
 
@@ -332,7 +581,7 @@ def experts_on_disk(d):
     """How the written checkpoint stores routed experts: "per-expert" tensors or "stacked" [E, out, in]."""
     names = []
     for fn in sorted(os.listdir(d)):
-        if fn.endswith(".safetensors"):
+        if fn.endswith(".safetensors") and fn != "dequant.safetensors":
             with safe_open(os.path.join(d, fn), "pt") as fh:
                 names += [n for n in fh.keys() if ".mixer.experts." in n and not n.startswith("mtp.")]
     return "stacked" if any(n.endswith("experts.up_proj") for n in names) else "per-expert" if names else "none"
@@ -368,12 +617,14 @@ def mtp_tensors(f, g):
     return {k: stored(torch.randn(s, generator=g) / math.sqrt(s[-1]), f["store"]).contiguous() for k, s in shapes.items()}
 
 
-def write_nvidia(model, f, d, g):
+def write_nvidia(model, f, d, g, quant=None, scales=None):
     """NVIDIA's published layout: backbone.* names, hybrid_override_pattern, attention_head_dim; routed
-    experts one tensor per expert (backbone.layers.L.mixer.experts.E.up_proj.weight), mtp.* extras."""
+    experts one tensor per expert (backbone.layers.L.mixer.experts.E.up_proj.weight), mtp.* extras.
+    Quantized fixtures: ModelOpt's tensors in place of each quantized weight, the calibrated scales, the
+    config files, and dequant.safetensors."""
     tensors = {}
     for k, v in model.state_dict().items():
-        k = "backbone." + k[len("model."):] if k.startswith("model.") else k
+        k = nvidia_name(k)
         if ".mixer.experts." in k:  # stacked [E, out, in] in the module: one [out, in] tensor per expert
             base, proj = k.rsplit(".", 1)
             tensors.update({f"{base}.{e}.{proj}.weight": stored(v[e], f["store"]).contiguous() for e in range(len(v))})
@@ -382,12 +633,18 @@ def write_nvidia(model, f, d, g):
     mtp = {"num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"} if f.get("mtp") else {}
     if mtp:
         tensors.update(mtp_tensors(f, g))
+    for m, (fmt, t, _) in (quant or {}).items():
+        tensors.update({f"{m}.{k}": v.contiguous() for k, v in t.items()})  # m.weight replaced
+    tensors.update(scales or {})
     names = sorted(tensors)
     if f["shards"] == 1:
         save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
     else:
         half = len(names) // 2
         parts = [names[:half], names[half:]]
+        if quant:  # every matrix in the first file; its scales, and every vector, in the second
+            parts = [[k for k in names if k.endswith(".weight") and tensors[k].ndim >= 2]]
+            parts.append([k for k in names if k not in set(parts[0])])
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}, "weight_map": {}}
         for i, part in enumerate(parts):
             fn = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
@@ -396,6 +653,15 @@ def write_nvidia(model, f, d, g):
         with open(os.path.join(d, "model.safetensors.index.json"), "w") as fh:
             json.dump(index, fh, indent=2)
     cfg = nvidia_config(hf_kwargs(f) | mtp, {"f32": "float32", "bf16": "bfloat16"}[f["store"]])
+    if quant:
+        hf_quant, cfg_quant = quant_configs(model, f, quant)
+        if f["quant"]["files"] in ("hf", "both"):
+            with open(os.path.join(d, "hf_quant_config.json"), "w") as fh:
+                json.dump(hf_quant, fh, indent=2)
+        if f["quant"]["files"] in ("config", "both"):
+            cfg["quantization_config"] = cfg_quant
+        save_file({m + ".weight": deq.contiguous() for m, (_, _, deq) in quant.items()},
+                  os.path.join(d, "dequant.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(d, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=2)  # Python writes the bare token Infinity, as NVIDIA's files have it
 
