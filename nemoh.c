@@ -2118,26 +2118,32 @@ static int *tok_encode(const Tokenizer *t, const char *text, size_t len, size_t 
 
 /* ---- Decoding ---- */
 
-/* Bytes id decodes to. An id with no token (past a tokenizer smaller than the model's padded
- * vocabulary) decodes to nothing, as HF's decode skips ids it has no token for. */
-static size_t tok_len(const Tokenizer *t, int id) {
-    return id >= 0 && id < t->n_vocab ? (size_t)t->len[id] : 0;
+/* The bytes id decodes to, at *p. An id the tokenizer has no token for (past a tokenizer smaller
+ * than the model's padded vocabulary) is shown as "<id N>", written to buf, so that a sampled id
+ * is seen rather than lost (HF's decode skips it). */
+static size_t tok_piece(const Tokenizer *t, int id, char buf[24], const char **p) {
+    if (id >= 0 && id < t->n_vocab) return *p = t->bytes + t->off[id], (size_t)t->len[id];
+    *p = buf;
+    return (size_t)snprintf(buf, 24, "<id %d>", id);
 }
 
 /* Whole-sequence decode, as HF's decode(ids, skip_special_tokens=False) with the ByteLevel
  * decoder: the tokens' bytes, with invalid UTF-8 shown as U+FFFD. NUL-terminated; caller frees. */
 static char *tok_decode(const Tokenizer *t, const int *ids, int n, size_t *len) {
-    size_t total = 0, k = 0;
-    for (int i = 0; i < n; i++) total += tok_len(t, ids[i]);
-    unsigned char *raw = xmalloc(total);
-    for (int i = 0; i < n; k += tok_len(t, ids[i++]))
-        if (tok_len(t, ids[i])) memcpy(raw + k, t->bytes + t->off[ids[i]], tok_len(t, ids[i]));
-    char *out;
-    size_t out_len;
-    FILE *f = open_memstream(&out, &out_len);
+    char *raw, *out, buf[24];
+    size_t raw_len, out_len;
+    FILE *f = open_memstream(&raw, &raw_len);
     if (!f) die("out of memory");
-    utf8_lossy(raw, total, 1, f);
+    for (int i = 0; i < n; i++) {
+        const char *p;
+        size_t k = tok_piece(t, ids[i], buf, &p);
+        fwrite(p, 1, k, f);
+    }
     fclose(f);
+    FILE *g = open_memstream(&out, &out_len);
+    if (!g) die("out of memory");
+    utf8_lossy((const unsigned char *)raw, raw_len, 1, g);
+    fclose(g);
     free(raw);
     if (len) *len = out_len;
     return out;
@@ -2151,10 +2157,12 @@ typedef struct {                /* streaming decode state; start from {0} */
 /* Writes token id to f as soon as its bytes complete characters: what the tokens so far decode
  * to, less an unfinished character at the end, which is held for the next token. */
 static void tok_stream_put(const Tokenizer *t, TokStream *s, int id, FILE *f) {
-    size_t n = (size_t)s->n + tok_len(t, id);
+    char buf[24];
+    const char *p;
+    size_t k = tok_piece(t, id, buf, &p), n = (size_t)s->n + k;
     unsigned char *b = xmalloc(n);
     memcpy(b, s->held, (size_t)s->n);
-    if (tok_len(t, id)) memcpy(b + s->n, t->bytes + t->off[id], tok_len(t, id));
+    if (k) memcpy(b + s->n, p, k);
     size_t used = utf8_lossy(b, n, 0, f);
     s->n = (int)(n - used);
     memcpy(s->held, b + used, (size_t)s->n);
@@ -3413,6 +3421,9 @@ int main(int argc, char **argv) {
     check_tp(&e.c, tp);
     if (tok && tok_vocab_size(tok) > e.c.vocab)
         die("%s: %d tokens, more than the model's vocab_size %d", tok_path, tok_vocab_size(tok), e.c.vocab);
+    if (tok && tok_vocab_size(tok) < e.c.vocab)   /* checkpoints pad vocab_size past their tokenizer: accepted */
+        fprintf(stderr, "nemoh: warning: %s has %d ids, the model %d: ids from %d up have no text and print as <id N>\n",
+                tok_path, tok_vocab_size(tok), e.c.vocab, tok_vocab_size(tok));
     if (!do_bench && !chat && n_prompt == 0) die("the prompt is empty (and the tokenizer adds no BOS)");
     for (int i = 0; i < n_prompt; i++)
         if (tokens[i] >= e.c.vocab) die("--ids: token id %d is outside the vocabulary (vocab_size %d)", tokens[i], e.c.vocab);
