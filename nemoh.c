@@ -2909,13 +2909,14 @@ static int common_prefix(const int *a, int na, const int *b, int nb) {
     return k;
 }
 
-static volatile sig_atomic_t chat_replying, chat_stop;
+static volatile sig_atomic_t sigint_armed, sigint_stop;
 
-/* Ctrl-C stops the reply being written; a second one, or one at the prompt, ends nemoh. */
-static void chat_sigint(int sig) {
+/* Ctrl-C stops the reply (--chat) or continuation being written, whose figures are still printed;
+ * a second one, or one while nothing is being written (the chat prompt), ends nemoh at once. */
+static void on_sigint(int sig) {
     (void)sig;
-    if (!chat_replying || chat_stop) _exit(130);
-    chat_stop = 1;
+    if (!sigint_armed || sigint_stop) _exit(130);
+    sigint_stop = 1;
 }
 
 /* One assistant turn: render the whole conversation, resume from the longest prefix of it the
@@ -2952,8 +2953,8 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
     int thinking = !strcmp(opening, "<think>\n") && ch->think_end >= 0, tty = isatty(1);
     TokStream ts = {0};
     if (thinking && tty && !o->hide_think) fputs("\033[2m", stdout);
-    chat_replying = 1, chat_stop = 0;
-    for (int i = 0; i < o->n && !chat_stop; i++) {
+    sigint_armed = 1, sigint_stop = 0;
+    for (int i = 0; i < o->n && !sigint_stop; i++) {
         int next = engine_sample(e, o->temp, o->topp, o->seed, (uint64_t)pos);
         if (next == ch->end_turn || is_eos(&e->c, next)) break;
         reply[made++] = next;
@@ -2968,7 +2969,7 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
         chat_forward(e, cs, &next, 1, pos, o);
         cs->ids[pos++] = next;
     }
-    chat_replying = 0;
+    sigint_armed = 0;
     tok_stream_end(tok, &ts, stdout);
     if (thinking && tty && !o->hide_think) fputs("\033[0m", stdout);
     fputs("\n", stdout);
@@ -3019,7 +3020,7 @@ static void chat_run(Engine *e, Chat *ch, const Tokenizer *tok, const ChatOpts *
     ChatState cs = {.snap = -1};
     engine_snapshot(e, 0, 1);   /* slot 0: the empty state, for "from the start" */
     int turn = 1;
-    if (interactive) signal(SIGINT, chat_sigint);
+    if (interactive) signal(SIGINT, on_sigint);
     if (ch->n_msg && ch->msg[ch->n_msg - 1].role == 'u') chat_turn(e, ch, &cs, tok, o, turn++);
     size_t len;
     for (char *m; interactive && (m = chat_read(&len)); free(m)) {
@@ -3058,6 +3059,7 @@ typedef struct {
 
 typedef struct {
     double prefill_s, decode_s; /* wall time of the prompt's forwards, of the generated tokens' */
+    int prefilled;              /* prompt tokens run (fewer than the prompt's after Ctrl-C) */
     int made;                   /* tokens generated */
     int full;                   /* 1: stopped because the context was full */
 } GenStats;
@@ -3072,19 +3074,22 @@ static void dump_rows(Engine *e, FILE *f, int rows) {
     if (fwrite(l, sizeof(float), (size_t)rows * e->c.vocab, f) != (size_t)rows * e->c.vocab) die("--dump-logits: write failed");
 }
 
-/* Prefill the prompt (in chunks of t_max), then sample, print and feed back one token at a time. */
+/* Prefill the prompt (in chunks of t_max), then sample, print and feed back one token at a time;
+ * Ctrl-C (on_sigint) stops either at the next step. */
 static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOpts *o) {
     int t_max = e->rank[0].t_max, ctx = e->rank[0].ctx, pos = 0;
-    GenStats st = {0, 0, 0, 0};
+    GenStats st = {0, 0, 0, 0, 0};
     TokStream ts = {0};
     double t0 = now_s();
-    while (pos < n_prompt) {
+    sigint_armed = 1;
+    while (pos < n_prompt && !sigint_stop) {
         int T = n_prompt - pos < t_max ? n_prompt - pos : t_max;
         engine_forward(e, prompt + pos, T, pos, o->dump != NULL);
         if (o->dump) dump_rows(e, o->dump, T);
         pos += T;
     }
-    for (int i = 0; i < o->n; i++) {
+    st.prefilled = pos;
+    for (int i = 0; i < o->n && !sigint_stop; i++) {
         int next = engine_sample(e, o->temp, o->topp, o->seed, (uint64_t)pos);
         if (i == 0) st.prefill_s = now_s() - t0;  /* includes the first token's sampling */
         int eos = is_eos(&e->c, next);
@@ -3105,6 +3110,7 @@ static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOp
     }
     if (!st.made) st.prefill_s = now_s() - t0;
     st.decode_s = now_s() - t0 - st.prefill_s;
+    sigint_armed = 0;
     return st;
 }
 
@@ -3279,7 +3285,7 @@ int main(int argc, char **argv) {
     const char *dir = "weights", *ids_arg = NULL, *prompt = NULL, *dump_path = NULL, *preset = NULL, *tp_arg = "1";
     const char *tok_path = NULL, *prompt_file = NULL;
     int ctx = 0, use_cpu = 0, have_seed = 0, fuse = 1, graph = 1, chunk = 0, do_bench = 0, bench_ar = 0, P = 512;
-    int hidden = 4096, n_set = 0, encode = 0, print_ids = 0, chat = 0, interactive = 0, hide_think = 0;
+    int hidden = 4096, n_set = 0, encode = 0, print_ids = 0, chat = 0, interactive = 0, hide_think = 0, rc = 0;
     const char *system = NULL;
     Chat ch = {.think = -1};
     GenOpts o = {256, 0.8f, 0.95f, 0, NULL, 0, 0, NULL};
@@ -3451,11 +3457,13 @@ int main(int argc, char **argv) {
             else fputs(prompt_text, stdout);
             free(text);
         }
+        signal(SIGINT, on_sigint);
         GenStats st = generate(&e, tokens, n_prompt, &o);
-        fprintf(stderr, "nemoh: prefill %d tokens in %.3f s (%.1f tok/s); decode %d tokens in %.3f s (%.1f tok/s)\n",
-                n_prompt, st.prefill_s, n_prompt / st.prefill_s, st.made, st.decode_s,
-                st.made > 1 ? (st.made - 1) / st.decode_s : 0.0);
+        fprintf(stderr, "nemoh: prefill %d token%s in %.3f s (%.1f tok/s); decode %d token%s in %.3f s (%.1f tok/s)\n",
+                st.prefilled, st.prefilled == 1 ? "" : "s", st.prefill_s, st.prefilled ? st.prefilled / st.prefill_s : 0.0,
+                st.made, st.made == 1 ? "" : "s", st.decode_s, st.made > 1 ? (st.made - 1) / st.decode_s : 0.0);
         if (st.full) fprintf(stderr, "nemoh: stopped at the end of the context (%d tokens; -c sets it)\n", ctx);
+        if (sigint_stop) fprintf(stderr, "nemoh: interrupted (Ctrl-C)\n"), rc = 130;
     }
     check_stdout();
     if (o.dump && fclose(o.dump) != 0) die("--dump-logits %s: write failed", dump_path);
@@ -3465,6 +3473,6 @@ int main(int argc, char **argv) {
     free(file_text);
     chat_free(&ch);
     tok_free(tok);
-    return 0;
+    return rc;
 }
 #endif

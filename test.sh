@@ -316,6 +316,17 @@ words=$(printf '%s' "$out" | wc -w)
 [[ $out == "Once upon a time"* ]] && [ "$words" -ge 15 ] && pass "./nemoh \"Once upon a time\" prints a continuation ($words words)" \
     || fail "./nemoh \"Once upon a time\" prints a continuation" "$out"
 
+# ---- the first five minutes: what a new user sees ----
+# Ctrl-C while generating (a model without eos_token_id: nothing ends it sooner): the line finished,
+# the figures of what was done, exit 130
+mkdir -p "$T/no-eos" && cp $C/tokenizer.json tests/fixtures/tiny-bf16/model.safetensors "$T/no-eos/"
+sed '/"eos_token_id"/d' tests/fixtures/tiny-bf16/config.json > "$T/no-eos/config.json"
+timeout --preserve-status -s INT 3 ./nemoh --cpu -m "$T/no-eos" "Hello" -n 1000000 -c 100000 -t 1 -s 1 >"$T/int.out" 2>"$T/int.err"; rc=$?
+if [ $rc -eq 130 ] && [ "$(tail -c 1 "$T/int.out" | od -An -c | tr -d ' ')" = '\n' ] \
+    && grep -q '^nemoh: prefill [0-9]* tokens in .*; decode [1-9][0-9]* tokens in ' "$T/int.err" && grep -q '^nemoh: interrupted (Ctrl-C)' "$T/int.err"; then
+    pass "Ctrl-C while generating: the line ends, prefill and decode figures printed, exit 130"
+else fail "Ctrl-C while generating: the line ends, prefill and decode figures printed, exit 130" "exit $rc: $(cat "$T/int.err")"; fi
+
 # ---- the README's option list is what -h prints ----
 help=$(./nemoh -h); at=$(grep -n '^usage: nemoh' README.md | cut -d: -f1)
 doc=$([ -n "$at" ] && sed -n "$at,$((at + $(wc -l <<< "$help") - 1))p" README.md)
