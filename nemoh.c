@@ -3100,6 +3100,7 @@ static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOp
         st.full = !eos && i < o->n - 1 && pos == ctx;
         if (eos || i == o->n - 1 || pos == ctx) break;
         for (int k = 0; k < e->n; k++) e->rank[k].trace = o->trace && i == 0;
+        if (o->trace && i == 0 && !o->quiet) fflush(stdout), fputc('\n', stderr);   /* the trace on a line of its own */
         engine_forward(e, &next, 1, pos++, 0);
         if (o->dump) dump_rows(e, o->dump, 1);
     }

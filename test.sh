@@ -326,6 +326,9 @@ if [ $rc -eq 130 ] && [ "$(tail -c 1 "$T/int.out" | od -An -c | tr -d ' ')" = '\
     && grep -q '^nemoh: prefill [0-9]* tokens in .*; decode [1-9][0-9]* tokens in ' "$T/int.err" && grep -q '^nemoh: interrupted (Ctrl-C)' "$T/int.err"; then
     pass "Ctrl-C while generating: the line ends, prefill and decode figures printed, exit 130"
 else fail "Ctrl-C while generating: the line ends, prefill and decode figures printed, exit 130" "exit $rc: $(cat "$T/int.err")"; fi
+# --trace starts on a line of its own, not glued to the text on stdout
+n=$(./nemoh --cpu -m $C/chatml "Hi" -n 3 -t 0 --trace 2>&1 | grep -c '^layer   0 ')
+same "--trace: its first line starts a line (not after the prompt's text)" "$n" 1
 
 # ---- the README's option list is what -h prints ----
 help=$(./nemoh -h); at=$(grep -n '^usage: nemoh' README.md | cut -d: -f1)
