@@ -1357,7 +1357,7 @@ static void config_load(Config *c, const char *dir) {
     model_dir(dir);
     snprintf(path, sizeof path, "%s/config.json", dir);
     char *text = read_text(path, &len, 1 << 20);
-    if (!text) die("%s: cannot open", path);
+    if (!text) die("%s: cannot open: %s (%s is not a model directory: -m names one)", path, strerror(errno), dir);
     config_parse(c, text, len, path);
     free(text);
 }

@@ -329,6 +329,9 @@ else fail "Ctrl-C while generating: the line ends, prefill and decode figures pr
 # --trace starts on a line of its own, not glued to the text on stdout
 n=$(./nemoh --cpu -m $C/chatml "Hi" -n 3 -t 0 --trace 2>&1 | grep -c '^layer   0 ')
 same "--trace: its first line starts a line (not after the prompt's text)" "$n" 1
+mkdir -p "$T/empty"
+refuse "bad input: -m a directory without config.json: why, and that it is not a model directory" \
+    "$T/empty/config.json: cannot open: No such file or directory ($T/empty is not a model directory" ./nemoh -m "$T/empty" "hi"
 
 # ---- the README's option list is what -h prints ----
 help=$(./nemoh -h); at=$(grep -n '^usage: nemoh' README.md | cut -d: -f1)
