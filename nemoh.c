@@ -3194,6 +3194,75 @@ static void bench(Engine *e, const char *model, int prompt_len, int n, int gpu) 
     free(prompt);
 }
 
+/* How rank 0's weight matrices are stored: "f32", "bf16", "f16", or "mixed" when they differ. */
+static const char *weights_format(const Rank *r) {
+    static const char *const name[] = {"f32", "bf16", "f16"};
+    unsigned seen = 0;
+#define SEEN(m) ((m).rows && (m).cols ? seen |= 1u << (m).dtype : 0)
+    SEEN(r->w.embed), SEEN(r->w.lm_head);
+    for (int l = 0; l < r->c->n_layers; l++) {
+        const Layer *L = &r->w.layer[l];
+        for (int k = 0; k < 5; k++) SEEN(L->in_proj[k]);
+        SEEN(L->out), SEEN(L->wq), SEEN(L->wk), SEEN(L->wv), SEEN(L->wo), SEEN(L->up), SEEN(L->down);
+        SEEN(L->sup), SEEN(L->sdown), SEEN(L->lat_in), SEEN(L->lat_out);
+        for (int e = 0; L->eup && e < r->c->n_experts; e++) SEEN(L->eup[e]), SEEN(L->edown[e]);
+    }
+#undef SEEN
+    for (int k = 0; k < 3; k++) if (seen == 1u << k) return name[k];
+    return "mixed";
+}
+
+/* The parameters every tensor the config names holds, and those one token uses: of the routed
+ * experts only the top_k it chooses (everything else: embeddings, norms, router, shared expert). */
+static void count_params(const Config *c, double *total, double *active) {
+    double H = c->hidden, di = (double)c->m_heads * c->m_hdim, gn = (double)c->n_groups * c->d_state;
+    double q = (double)c->n_heads * c->head_dim, kv = (double)c->n_kv * c->head_dim, d = c->latent ? c->latent : H;
+    double all = 2.0 * c->vocab * H + H, unused = 0;   /* embedding, lm_head, norm_f */
+    for (int l = 0; l < c->n_layers; l++) {
+        all += H;                                       /* the layer's norm */
+        if (c->kind[l] == K_MAMBA)   /* in_proj, conv (+ bias), A_log, D, dt_bias, gated norm, out_proj */
+            all += (2 * di + 2 * gn + c->m_heads) * H + (di + 2 * gn) * (c->d_conv + c->conv_bias) + 3.0 * c->m_heads + di + H * di;
+        else if (c->kind[l] == K_ATTN)
+            all += (q + 2 * kv) * H + H * q;
+        else if (c->kind[l] == K_MLP)
+            all += 2.0 * c->mlp * H;
+        else {   /* router + bias, routed experts, shared expert, latent projections */
+            all += c->n_experts * (H + 1) + c->n_experts * 2.0 * c->moe * d + 2.0 * c->shared * H + 2.0 * c->latent * H;
+            unused += (c->n_experts - c->top_k) * 2.0 * c->moe * d;
+        }
+    }
+    *total = all;
+    *active = all - unused;
+}
+
+/* n in a short form: 14.6M, 31.6B. */
+static const char *human(char buf[16], double n) {
+    if (n >= 1e9) snprintf(buf, 16, "%.1fB", n / 1e9);
+    else if (n >= 1e6) snprintf(buf, 16, "%.1fM", n / 1e6);
+    else snprintf(buf, 16, "%.0f", n);
+    return buf;
+}
+
+/* One line, as llama-cli prints at load: the layers by kind, the parameters (active ones with MoE),
+ * the storage format, the context, the backend and ranks, and the sampling settings. */
+static void print_loaded(const Engine *e, const char *model, double secs, const GenOpts *o) {
+    const Config *c = &e->c;
+    char kinds[64] = "", b1[16], b2[16], active_s[48] = "", sampling[96];
+    for (const char *k = "M*-E"; *k; k++) {
+        int n = 0;
+        for (int l = 0; l < c->n_layers; l++) n += c->kind[l] == *k;
+        if (n) snprintf(kinds + strlen(kinds), sizeof kinds - strlen(kinds), "%s%d %c", *kinds ? ", " : "", n, *k);
+    }
+    double total, active;
+    count_params(c, &total, &active);
+    if (active < total) snprintf(active_s, sizeof active_s, " (%s active per token)", human(b2, active));
+    if (o->temp > 0) snprintf(sampling, sizeof sampling, "temperature %g, top-p %g", o->temp, o->topp);
+    else snprintf(sampling, sizeof sampling, "greedy");
+    fprintf(stderr, "nemoh: loaded %s in %.2f s: %d layers (%s), %s parameters%s, %s, context %d; backend %s, %d rank%s; %s, seed %llu\n",
+            model, secs, c->n_layers, kinds, human(b1, total), active_s, weights_format(&e->rank[0]), e->rank[0].ctx,
+            e->be->name, e->n, e->n > 1 ? "s" : "", sampling, (unsigned long long)o->seed);
+}
+
 static void usage(void) {
     fputs("usage: nemoh [options] [PROMPT]\n"
           "  -m DIR             model directory: config.json, *.safetensors (default: weights)\n"
@@ -3442,9 +3511,15 @@ int main(int argc, char **argv) {
     cpu_threads = (int)sysconf(_SC_NPROCESSORS_ONLN) / tp;
     if (cpu_threads < 1) cpu_threads = 1;
     build_engine(&e, &ck, be, tp, t_max, ctx, fuse, o.dump ? t_max : 1, graph);
-    fprintf(stderr, "nemoh: loaded %s in %.2f s (backend %s, %d rank%s, seed %llu)\n", preset ? preset : dir, now_s() - t0,
-            be->name, tp, tp > 1 ? "s" : "", (unsigned long long)o.seed);
+    GenOpts shown = o;
+    if (do_bench) shown.temp = 0;   /* --bench decodes greedily */
+    print_loaded(&e, preset ? preset : dir, now_s() - t0, &shown);
     if (n_mtp) fprintf(stderr, "nemoh: %d mtp.* tensors (multi-token prediction heads) are not used\n", n_mtp);
+    if (ctx > e.c.ctx)
+        fprintf(stderr, "nemoh: note: -c %d is more than the %d positions the model was trained on (max_position_embeddings)\n",
+                ctx, e.c.ctx);
+    if (!chat && !do_bench && !ids_arg && !*prompt_text)
+        fprintf(stderr, "nemoh: note: the prompt is empty: generating from the tokenizer's BOS alone\n");
     if (do_bench) {
         bench(&e, preset ? preset : dir, P, n_set ? o.n : 256, gpus > 0);
     } else if (chat) {

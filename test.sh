@@ -280,7 +280,7 @@ err=$(grep -v '^nemoh: \(loaded\|turn\)' "$T/chatfull.err")
 [ $rc -eq 1 ] && [ "$err" = "nemoh: stdout: write failed: No space left on device" ] && pass "bad input: a chat reply to a full disk: one line, exit 1" \
     || fail "bad input: a chat reply to a full disk: one line, exit 1" "exit $rc: $err"
 { sleep 0.5; trap '' PIPE; ./nemoh --cpu -m $d --ids "1 2" -n 1000 -c 2000 -t 1 -s 1 2>"$T/pipe.err"; echo $? > "$T/pipe.rc"; } | true
-err=$(grep -v '^nemoh: loaded ' "$T/pipe.err")
+err=$(grep -v '^nemoh: \(loaded\|note\):\? ' "$T/pipe.err")
 [ "$(cat "$T/pipe.rc")" = 1 ] && [ "$err" = "nemoh: stdout: write failed: Broken pipe" ] && pass "bad input: a broken pipe with SIGPIPE ignored ends generation with one line" \
     || fail "bad input: a broken pipe with SIGPIPE ignored ends generation with one line" "exit $(cat "$T/pipe.rc"): $err"
 { sleep 0.5; ./nemoh --cpu -m $d --ids "1 2" -n 1000 -c 2000 -t 1 -s 1 2>/dev/null; echo $? > "$T/pipe.rc"; } | true
@@ -317,6 +317,16 @@ words=$(printf '%s' "$out" | wc -w)
     || fail "./nemoh \"Once upon a time\" prints a continuation" "$out"
 
 # ---- the first five minutes: what a new user sees ----
+# the line at load: layers by kind, parameters (the safetensors headers' element counts; with MoE the
+# active ones: of the routed experts only top_k), storage format, context, backend, sampling
+for c in "weights:9 layers (4 M, 1 *, 4 -), 14.6M parameters, bf16, context 2048; backend cpu, 1 rank; greedy, seed 1" \
+         "tests/fixtures/tiny-f32:10 layers (4 M, 3 *, 3 -), 365088 parameters, f32, context 256; backend cpu, 1 rank; greedy, seed 1" \
+         "tests/fixtures/tiny-moe-bf16:7 layers (2 M, 1 *, 1 -, 3 E), 159892 parameters (108052 active per token), bf16, context 256; backend cpu, 2 ranks; temperature 0.7, top-p 0.9, seed 1"; do
+    m=${c%%:*} want=${c#*:}
+    args=(-t 0); [[ $m == *moe* ]] && args=(-t 0.7 -p 0.9 --tp 2)
+    got=$(./nemoh --cpu -m "$m" --ids "1 2" -n 1 -s 1 "${args[@]}" 2>&1 >/dev/null | sed -n 's/^nemoh: loaded [^:]*: //p')
+    same "the line at load ($m): layers, parameters, format, context, backend, sampling" "$got" "$want"
+done
 # Ctrl-C while generating (a model without eos_token_id: nothing ends it sooner): the line finished,
 # the figures of what was done, exit 130
 mkdir -p "$T/no-eos" && cp $C/tokenizer.json tests/fixtures/tiny-bf16/model.safetensors "$T/no-eos/"
@@ -332,6 +342,12 @@ same "--trace: its first line starts a line (not after the prompt's text)" "$n" 
 mkdir -p "$T/empty"
 refuse "bad input: -m a directory without config.json: why, and that it is not a model directory" \
     "$T/empty/config.json: cannot open: No such file or directory ($T/empty is not a model directory" ./nemoh -m "$T/empty" "hi"
+n=$(./nemoh --cpu -m tests/fixtures/tiny-bf16 --ids "1 2" -n 1 -c 1000 2>&1 >/dev/null | grep -c '^nemoh: note: -c 1000 is more than the 256 positions the model was trained on')
+same "-c past the model's context: accepted with one note" "$n $(./nemoh --cpu -m tests/fixtures/tiny-bf16 --ids "1 2" -n 1 -c 100 2>&1 | grep -c note)" "1 0"
+out=$(./nemoh -n 4 -s 1 "" 2>&1 >/dev/null); rc=$?
+[ $rc -eq 0 ] && [ "$(grep -c '^nemoh: note: the prompt is empty: generating from the tokenizer.s BOS alone' <<< "$out")" -eq 1 ] \
+    && grep -q '^nemoh: prefill 1 token in ' <<< "$out" && pass "an empty prompt: one note, generated from BOS (prefill 1 token)" \
+    || fail "an empty prompt: one note, generated from BOS (prefill 1 token)" "exit $rc: $out"
 
 # ---- the README's option list is what -h prints ----
 help=$(./nemoh -h); at=$(grep -n '^usage: nemoh' README.md | cut -d: -f1)
