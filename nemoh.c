@@ -2945,7 +2945,7 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
         engine_snapshot(e, 1, 1), cs->snap = bound;
     }
     chat_prefill(e, cs, ids, start > bound ? start : bound, n, o);
-    fprintf(stderr, "nemoh: turn %d: prefilled %d of %d tokens in %.3f s (from %s)\n", turn, n - start, n, now_s() - t0, from);
+    double prefill_s = now_s() - t0;
     free(ids);
 
     /* the reply: reasoning (until </think>) dimmed on a terminal, or not shown with --hide-think */
@@ -2974,6 +2974,9 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
     if (thinking && tty && !o->hide_think) fputs("\033[0m", stdout);
     fputs("\n", stdout);
     check_stdout();
+    double decode_s = now_s() - t0 - prefill_s;
+    fprintf(stderr, "nemoh: turn %d: prefilled %d of %d tokens in %.3f s (from %s); decoded %d token%s in %.3f s (%.1f tok/s)\n",
+            turn, n - start, n, prefill_s, from, made, made == 1 ? "" : "s", decode_s, made / decode_s);
     cs->n = pos;
     size_t len;
     char *text = tok_decode(tok, reply, made, &len), *content = xmalloc(strlen(opening) + len + 1);

@@ -348,6 +348,8 @@ out=$(./nemoh -n 4 -s 1 "" 2>&1 >/dev/null); rc=$?
 [ $rc -eq 0 ] && [ "$(grep -c '^nemoh: note: the prompt is empty: generating from the tokenizer.s BOS alone' <<< "$out")" -eq 1 ] \
     && grep -q '^nemoh: prefill 1 token in ' <<< "$out" && pass "an empty prompt: one note, generated from BOS (prefill 1 token)" \
     || fail "an empty prompt: one note, generated from BOS (prefill 1 token)" "exit $rc: $out"
+out=$(printf 'Hi\nYo\n' | ./nemoh --cpu -m $C/chatml --chat -n 8 -t 0 2>&1 >/dev/null | grep -cE '^nemoh: turn [12]: prefilled [0-9]+ of [0-9]+ tokens in .*; decoded [0-9]+ tokens? in [0-9.]+ s \([0-9.]+ tok/s\)$')
+same "chat: each turn's line gives its decode speed too" "$out" 2
 
 # ---- the README's option list is what -h prints ----
 help=$(./nemoh -h); at=$(grep -n '^usage: nemoh' README.md | cut -d: -f1)
