@@ -2540,6 +2540,16 @@ static void add_random(Checkpoint *ck, const char *name, int dtype, long d0, lon
     t->data = buf;
 }
 
+/* Drawing takes a while on the CPU (nemotron-h-4b's 8 GB: about 45 s): past its first second, a
+ * progress line on stderr, redrawn in place on a terminal, else a plain line every 10 s. */
+static void draw_progress(int done, int total, double t0, double *shown) {
+    double t = now_s() - t0;
+    int tty = isatty(2), last = done == total;
+    if (t < 1 || (!last && t - *shown < (tty ? 0.25 : 10)) || (last && !*shown)) return;
+    fprintf(stderr, "%snemoh: drawing random weights: %d of %d layers, %.0f s%s", tty ? "\r" : "", done, total, t, tty && !last ? "" : "\n");
+    *shown = t;
+}
+
 /* A checkpoint held in memory with every tensor the config names, in NVIDIA's layout (one tensor per
  * expert); with host 0 the bf16 matrices are left for the GPU backend to draw (an 8B model's 16 GB is
  * quicker made on the device). The fp32 router weight is always drawn here: the host reads it. */
@@ -2550,6 +2560,7 @@ static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t se
     int H = c->hidden, di = c->m_heads * c->m_hdim, gn = c->n_groups * c->d_state, q = c->n_heads * c->head_dim,
         kv = c->n_kv * c->head_dim;
     char nm[128];
+    double t0 = now_s(), shown = 0;
     add_random(ck, "backbone.embeddings.weight", DT_BF16, c->vocab, H, W_MAT, seed, host);
     add_random(ck, "backbone.norm_f.weight", DT_F32, H, 0, W_ONE, seed, host);
     add_random(ck, "lm_head.weight", DT_BF16, c->vocab, H, W_MAT, seed, host);
@@ -2592,6 +2603,7 @@ static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t se
             }
         }
 #undef ADD
+        draw_progress(l + 1, c->n_layers, t0, &shown);
     }
     st_sort(ck);
 }
