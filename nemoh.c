@@ -2778,10 +2778,11 @@ static char *chat_render(const Chat *ch, int gen, const char **open, size_t *len
                 for (const char *e; (e = find(c, cl, "</think>"));) cl -= (size_t)(e + 8 - c), c = e + 8;
                 prefix = "<think></think>";
             }
-            /* (prefix + c).strip(); a prefix is never whitespace, so strip c's end only when it has one */
+            /* (prefix + c).strip(); a prefix is never whitespace, so strip c's end only when it has one
+               (and of a c all whitespace nothing is left) */
             size_t pl = strlen(prefix), sl = cl;
             const char *st = py_strip(c, &sl);
-            if (pl) sl = (size_t)(st + sl - c), st = c;
+            if (pl) sl = sl ? (size_t)(st + sl - c) : 0, st = c;
             fprintf(f, "<|im_start|>assistant\n%s", prefix);
             fwrite(st, 1, sl, f);
             fputs("<|im_end|>\n", f);
