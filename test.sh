@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # nemoh's tests. Builds from scratch; runs everything that needs no GPU, the CPU engine also under
 # AddressSanitizer + UndefinedBehaviorSanitizer; runs the GPU tests where a GPU exists (prints
-# `skipped: <reason>` elsewhere); ends with the line `N passed, M failed`.
+# `skipped: <reason>` elsewhere); ends with the line `N passed, M failed`. `./test.sh quick` leaves
+# out the sanitizer build and its runs and the fuzzing (CI runs ./test.sh, all of it).
 set -u
+case ${1:-} in "") QUICK= ;; quick) QUICK=1 ;; *) echo "usage: ./test.sh [quick]" >&2; exit 2 ;; esac
+# full: 0 (true) unless ./test.sh quick
+full() { [ -z "$QUICK" ]; }
 cd "$(dirname "$0")"
 PASS=0 FAIL=0
 T=$(mktemp -d)
@@ -21,7 +25,7 @@ finish() { echo "$PASS passed, $FAIL failed"; [ "$FAIL" -eq 0 ]; exit; }
 make clean >/dev/null
 if out=$(make 2>&1); then pass "make"; else fail "make" "$out"; finish; fi
 ASAN="$T/nemoh-asan"
-check "build CPU engine with -fsanitize=address,undefined" \
+full && check "build CPU engine with -fsanitize=address,undefined" \
     cc -std=c11 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -Wextra nemoh.c -o "$ASAN" -lm -lpthread
 check "build test helpers" sh -c "cc -O2 -o $T/compare_logits tests/compare_logits.c -lm && cc -O2 -o $T/make_bad tests/make_bad.c"
 check "make broken variants (and accepted ones) of a good model" "$T/make_bad" tests/fixtures/tiny-bf16 "$T/bad"
@@ -44,7 +48,7 @@ fixture_check() {
 for d in tests/fixtures/tiny-*; do
     f=$(basename "$d")
     fixture_check ./nemoh "$d" "cpu $f" --cpu
-    fixture_check "$ASAN" "$d" "asan $f"
+    full && fixture_check "$ASAN" "$d" "asan $f"
 done
 ./nemoh --cpu -m weights --ids "$(cat tests/fixtures/default-ref/ids.txt)" -n 1 -t 0 --dump-logits "$T/def.bin" >/dev/null 2>&1
 check "default model: held-out logits within 1e-4 of HF" "$T/compare_logits" "$T/def.bin" tests/fixtures/default-ref/ref_logits.bin 1e-4
@@ -82,13 +86,14 @@ for c in tiny-bf16:2 tiny-f32:2 tiny-f32:4 tiny-moe-bf16:2 tiny-moe-bf16:4 tiny-
     fixture_run ./nemoh "$d" "$T/$f-nf$n.bin" --cpu --tp $n --no-fuse >/dev/null
     check "$f --tp $n --no-fuse: logits equal to fused" "$T/compare_logits" "$T/$f-nf$n.bin" "$T/$f-tp$n.bin" 0
 done
-for f in tiny-f32 tiny-moe-latent-f32; do
+for f in $(full && echo tiny-f32 tiny-moe-latent-f32); do
     fixture_run "$ASAN" tests/fixtures/$f "$T/asan-$f-tp4.bin" --tp 4 >/dev/null
     check "asan $f --tp 4: logits within 1e-5 of --tp 1" "$T/compare_logits" "$T/asan-$f-tp4.bin" "$T/cpu $f.bin" 1e-5
 done
 
 # ---- the MoE router: grouped biased top-k and its ties against a float64 reference ----
 for san in "" "-fsanitize=address,undefined -fno-sanitize-recover=all"; do
+    [ -n "$san" ] && ! full && continue
     tag=$([ -z "$san" ] && echo cpu || echo asan)
     if out=$(cc -std=c11 -O1 -g $san -o "$T/test_router" tests/test_router.c -lm -lpthread 2>&1 && "$T/test_router" 2>&1); then
         pass "$tag MoE router against a float64 reference ($(tail -1 <<< "$out"))"
@@ -114,7 +119,7 @@ refuse_run() {
     refuse "$name" "$expect" bash -c 'o=$1; shift; if [ "$o" = - ]; then "$@" 2>&1 >&-; else "$@" 2>&1 >"$o"; fi |
         grep -v "^nemoh: loaded " >&2; exit ${PIPESTATUS[0]}' bash "$out" "$@"
 }
-for bin in ./nemoh "$ASAN"; do
+for bin in ./nemoh $(full && echo "$ASAN"); do
     tag=$([ "$bin" = ./nemoh ] && echo cpu || echo asan)
     for set in bad bad-moe; do
         check "$tag $set input: the unmodified control model loads" "$bin" -m "$T/$set/good" --ids "1 2" -n 1
@@ -172,7 +177,7 @@ chat_encode() {
     echo "$n renderings, $bad differ"; [ "$bad" -eq 0 ]
 }
 check "chat: --chat --encode equals HF's apply_chat_template ids (Nano v2, Nemotron 3, ChatML; fixture and Tekken vocabularies)" chat_encode ./nemoh
-check "asan chat: --chat --encode equals HF's ids (fixture vocabulary)" chat_encode "$ASAN" chat
+full && check "asan chat: --chat --encode equals HF's ids (fixture vocabulary)" chat_encode "$ASAN" chat
 # chat_turns BIN FORMAT TAG TOL SWITCH [args...]: a scripted 3-turn conversation on stdin (SWITCH:
 # --think, --no-think or -), its logits at every position, then the same ids prefilled from
 # scratch: equal within TOL; turns 2 and 3 prefill less than their whole rendering
@@ -192,7 +197,7 @@ chat_turns() {
 for fmt in nano-v2 nemotron-3 chatml; do chat_turns ./nemoh $fmt "cpu chat $fmt" 0 - --cpu; done
 chat_turns ./nemoh nemotron-3 "cpu chat nemotron-3 --no-think" 0 --no-think --cpu
 chat_turns ./nemoh nemotron-3 "cpu chat nemotron-3 --tp 2" 0 - --cpu --tp 2
-chat_turns "$ASAN" nano-v2 "asan chat nano-v2" 0 -
+full && chat_turns "$ASAN" nano-v2 "asan chat nano-v2" 0 -
 got=$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu --no-think 2>/dev/null)
 same "chat --hide-think: a reply without reasoning prints the same" "$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu --no-think --hide-think 2>/dev/null)" "$got"
 got=$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu 2>/dev/null)
@@ -370,7 +375,7 @@ nm=$(grep -c '^layer .* moe .*fused all-reduce' <<< "$tr")
     || fail "--trace on an MoE model: every layer's kind, moe partial sums reduced at the next entry" "$tr"
 
 # ---- fuzzing: the five libFuzzer harnesses of tests/fuzz, 20 s each, at once (make fuzz runs longer) ----
-out=$(tests/fuzz/run.sh 20 2>&1)
+out=$(if full; then tests/fuzz/run.sh 20 2>&1; else echo "skipped: fuzzing (./test.sh quick)"; fi)
 if grep -q '^skipped:' <<< "$out"; then grep '^skipped:' <<< "$out"
 else
     while IFS= read -r line; do
