@@ -1379,7 +1379,7 @@ static void config_load(Config *c, const char *dir) {
     model_dir(dir);
     snprintf(path, sizeof path, "%s/config.json", dir);
     char *text = read_text(path, &len, 1 << 20);
-    if (!text) die("%s: cannot open", path);
+    if (!text) die("%s: cannot open: %s (%s is not a model directory: -m names one)", path, strerror(errno), dir);
     config_parse(c, text, len, path);
     free(text);
 }
@@ -2380,26 +2380,32 @@ static int *tok_encode(const Tokenizer *t, const char *text, size_t len, size_t 
 
 /* ---- Decoding ---- */
 
-/* Bytes id decodes to. An id with no token (past a tokenizer smaller than the model's padded
- * vocabulary) decodes to nothing, as HF's decode skips ids it has no token for. */
-static size_t tok_len(const Tokenizer *t, int id) {
-    return id >= 0 && id < t->n_vocab ? (size_t)t->len[id] : 0;
+/* The bytes id decodes to, at *p. An id the tokenizer has no token for (past a tokenizer smaller
+ * than the model's padded vocabulary) is shown as "<id N>", written to buf, so that a sampled id
+ * is seen rather than lost (HF's decode skips it). */
+static size_t tok_piece(const Tokenizer *t, int id, char buf[24], const char **p) {
+    if (id >= 0 && id < t->n_vocab) return *p = t->bytes + t->off[id], (size_t)t->len[id];
+    *p = buf;
+    return (size_t)snprintf(buf, 24, "<id %d>", id);
 }
 
 /* Whole-sequence decode, as HF's decode(ids, skip_special_tokens=False) with the ByteLevel
  * decoder: the tokens' bytes, with invalid UTF-8 shown as U+FFFD. NUL-terminated; caller frees. */
 static char *tok_decode(const Tokenizer *t, const int *ids, int n, size_t *len) {
-    size_t total = 0, k = 0;
-    for (int i = 0; i < n; i++) total += tok_len(t, ids[i]);
-    unsigned char *raw = xmalloc(total);
-    for (int i = 0; i < n; k += tok_len(t, ids[i++]))
-        if (tok_len(t, ids[i])) memcpy(raw + k, t->bytes + t->off[ids[i]], tok_len(t, ids[i]));
-    char *out;
-    size_t out_len;
-    FILE *f = open_memstream(&out, &out_len);
+    char *raw, *out, buf[24];
+    size_t raw_len, out_len;
+    FILE *f = open_memstream(&raw, &raw_len);
     if (!f) die("out of memory");
-    utf8_lossy(raw, total, 1, f);
+    for (int i = 0; i < n; i++) {
+        const char *p;
+        size_t k = tok_piece(t, ids[i], buf, &p);
+        fwrite(p, 1, k, f);
+    }
     fclose(f);
+    FILE *g = open_memstream(&out, &out_len);
+    if (!g) die("out of memory");
+    utf8_lossy((const unsigned char *)raw, raw_len, 1, g);
+    fclose(g);
     free(raw);
     if (len) *len = out_len;
     return out;
@@ -2413,10 +2419,12 @@ typedef struct {                /* streaming decode state; start from {0} */
 /* Writes token id to f as soon as its bytes complete characters: what the tokens so far decode
  * to, less an unfinished character at the end, which is held for the next token. */
 static void tok_stream_put(const Tokenizer *t, TokStream *s, int id, FILE *f) {
-    size_t n = (size_t)s->n + tok_len(t, id);
+    char buf[24];
+    const char *p;
+    size_t k = tok_piece(t, id, buf, &p), n = (size_t)s->n + k;
     unsigned char *b = xmalloc(n);
     memcpy(b, s->held, (size_t)s->n);
-    if (tok_len(t, id)) memcpy(b + s->n, t->bytes + t->off[id], tok_len(t, id));
+    if (k) memcpy(b + s->n, p, k);
     size_t used = utf8_lossy(b, n, 0, f);
     s->n = (int)(n - used);
     memcpy(s->held, b + used, (size_t)s->n);
@@ -2852,6 +2860,16 @@ static int preset_fmt(const Config *c, int quant, int l, const char *what, int m
     return fp8 ? DT_FP8 : DT_BF16;
 }
 
+/* Drawing takes a while on the CPU (nemotron-h-4b's 8 GB: about 45 s): past its first second, a
+ * progress line on stderr, redrawn in place on a terminal, else a plain line every 10 s. */
+static void draw_progress(int done, int total, double t0, double *shown) {
+    double t = now_s() - t0;
+    int tty = isatty(2), last = done == total;
+    if (t < 1 || (!last && t - *shown < (tty ? 0.25 : 10)) || (last && !*shown)) return;
+    fprintf(stderr, "%snemoh: drawing random weights: %d of %d layers, %.0f s%s", tty ? "\r" : "", done, total, t, tty && !last ? "" : "\n");
+    *shown = t;
+}
+
 /* A checkpoint held in memory with every tensor the config names, in NVIDIA's layout (one tensor per
  * expert), its matrices quantized as preset_fmt says for quant (0: none); with host 0 the matrices
  * are left for the GPU backend to draw (an 8B model's 16 GB is quicker made on the device). The fp32
@@ -2865,6 +2883,7 @@ static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t se
         kv = c->n_kv * c->head_dim, mamba = 0, moe = 0, attn = 0, n_attn = 0;
     for (int l = 0; l < c->n_layers; l++) n_attn += c->kind[l] == K_ATTN;
     char nm[128];
+    double t0 = now_s(), shown = 0;
     add_random(ck, "backbone.embeddings.weight", DT_BF16, c->vocab, H, W_MAT, seed, host);
     add_random(ck, "backbone.norm_f.weight", DT_F32, H, 0, W_ONE, seed, host);
     add_random(ck, "lm_head.weight", DT_BF16, c->vocab, H, W_MAT, seed, host);
@@ -2913,6 +2932,7 @@ static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t se
         }
 #undef ADD
 #undef MAT
+        draw_progress(l + 1, c->n_layers, t0, &shown);
     }
     st_sort(ck);
 }
@@ -3087,10 +3107,11 @@ static char *chat_render(const Chat *ch, int gen, const char **open, size_t *len
                 for (const char *e; (e = find(c, cl, "</think>"));) cl -= (size_t)(e + 8 - c), c = e + 8;
                 prefix = "<think></think>";
             }
-            /* (prefix + c).strip(); a prefix is never whitespace, so strip c's end only when it has one */
+            /* (prefix + c).strip(); a prefix is never whitespace, so strip c's end only when it has one
+               (and of a c all whitespace nothing is left) */
             size_t pl = strlen(prefix), sl = cl;
             const char *st = py_strip(c, &sl);
-            if (pl) sl = (size_t)(st + sl - c), st = c;
+            if (pl) sl = sl ? (size_t)(st + sl - c) : 0, st = c;
             fprintf(f, "<|im_start|>assistant\n%s", prefix);
             fwrite(st, 1, sl, f);
             fputs("<|im_end|>\n", f);
@@ -3230,13 +3251,14 @@ static int common_prefix(const int *a, int na, const int *b, int nb) {
     return k;
 }
 
-static volatile sig_atomic_t chat_replying, chat_stop;
+static volatile sig_atomic_t sigint_armed, sigint_stop;
 
-/* Ctrl-C stops the reply being written; a second one, or one at the prompt, ends nemoh. */
-static void chat_sigint(int sig) {
+/* Ctrl-C stops the reply (--chat) or continuation being written, whose figures are still printed;
+ * a second one, or one while nothing is being written (the chat prompt), ends nemoh at once. */
+static void on_sigint(int sig) {
     (void)sig;
-    if (!chat_replying || chat_stop) _exit(130);
-    chat_stop = 1;
+    if (!sigint_armed || sigint_stop) _exit(130);
+    sigint_stop = 1;
 }
 
 /* One assistant turn: render the whole conversation, resume from the longest prefix of it the
@@ -3265,7 +3287,7 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
         engine_snapshot(e, 1, 1), cs->snap = bound;
     }
     chat_prefill(e, cs, ids, start > bound ? start : bound, n, o);
-    fprintf(stderr, "nemoh: turn %d: prefilled %d of %d tokens in %.3f s (from %s)\n", turn, n - start, n, now_s() - t0, from);
+    double prefill_s = now_s() - t0;
     free(ids);
 
     /* the reply: reasoning (until </think>) dimmed on a terminal, or not shown with --hide-think */
@@ -3273,8 +3295,8 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
     int thinking = !strcmp(opening, "<think>\n") && ch->think_end >= 0, tty = isatty(1);
     TokStream ts = {0};
     if (thinking && tty && !o->hide_think) fputs("\033[2m", stdout);
-    chat_replying = 1, chat_stop = 0;
-    for (int i = 0; i < o->n && !chat_stop; i++) {
+    sigint_armed = 1, sigint_stop = 0;
+    for (int i = 0; i < o->n && !sigint_stop; i++) {
         int next = engine_sample(e, o->temp, o->topp, o->seed, (uint64_t)pos);
         if (next == ch->end_turn || is_eos(&e->c, next)) break;
         reply[made++] = next;
@@ -3289,11 +3311,14 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
         chat_forward(e, cs, &next, 1, pos, o);
         cs->ids[pos++] = next;
     }
-    chat_replying = 0;
+    sigint_armed = 0;
     tok_stream_end(tok, &ts, stdout);
     if (thinking && tty && !o->hide_think) fputs("\033[0m", stdout);
     fputs("\n", stdout);
     check_stdout();
+    double decode_s = now_s() - t0 - prefill_s;
+    fprintf(stderr, "nemoh: turn %d: prefilled %d of %d tokens in %.3f s (from %s); decoded %d token%s in %.3f s (%.1f tok/s)\n",
+            turn, n - start, n, prefill_s, from, made, made == 1 ? "" : "s", decode_s, made / decode_s);
     cs->n = pos;
     size_t len;
     char *text = tok_decode(tok, reply, made, &len), *content = xmalloc(strlen(opening) + len + 1);
@@ -3340,7 +3365,7 @@ static void chat_run(Engine *e, Chat *ch, const Tokenizer *tok, const ChatOpts *
     ChatState cs = {.snap = -1};
     engine_snapshot(e, 0, 1);   /* slot 0: the empty state, for "from the start" */
     int turn = 1;
-    if (interactive) signal(SIGINT, chat_sigint);
+    if (interactive) signal(SIGINT, on_sigint);
     if (ch->n_msg && ch->msg[ch->n_msg - 1].role == 'u') chat_turn(e, ch, &cs, tok, o, turn++);
     size_t len;
     for (char *m; interactive && (m = chat_read(&len)); free(m)) {
@@ -3379,6 +3404,7 @@ typedef struct {
 
 typedef struct {
     double prefill_s, decode_s; /* wall time of the prompt's forwards, of the generated tokens' */
+    int prefilled;              /* prompt tokens run (fewer than the prompt's after Ctrl-C) */
     int made;                   /* tokens generated */
     int full;                   /* 1: stopped because the context was full */
 } GenStats;
@@ -3393,19 +3419,22 @@ static void dump_rows(Engine *e, FILE *f, int rows) {
     if (fwrite(l, sizeof(float), (size_t)rows * e->c.vocab, f) != (size_t)rows * e->c.vocab) die("--dump-logits: write failed");
 }
 
-/* Prefill the prompt (in chunks of t_max), then sample, print and feed back one token at a time. */
+/* Prefill the prompt (in chunks of t_max), then sample, print and feed back one token at a time;
+ * Ctrl-C (on_sigint) stops either at the next step. */
 static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOpts *o) {
     int t_max = e->rank[0].t_max, ctx = e->rank[0].ctx, pos = 0;
-    GenStats st = {0, 0, 0, 0};
+    GenStats st = {0, 0, 0, 0, 0};
     TokStream ts = {0};
     double t0 = now_s();
-    while (pos < n_prompt) {
+    sigint_armed = 1;
+    while (pos < n_prompt && !sigint_stop) {
         int T = n_prompt - pos < t_max ? n_prompt - pos : t_max;
         engine_forward(e, prompt + pos, T, pos, o->dump != NULL);
         if (o->dump) dump_rows(e, o->dump, T);
         pos += T;
     }
-    for (int i = 0; i < o->n; i++) {
+    st.prefilled = pos;
+    for (int i = 0; i < o->n && !sigint_stop; i++) {
         int next = engine_sample(e, o->temp, o->topp, o->seed, (uint64_t)pos);
         if (i == 0) st.prefill_s = now_s() - t0;  /* includes the first token's sampling */
         int eos = is_eos(&e->c, next);
@@ -3416,6 +3445,7 @@ static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOp
         st.full = !eos && i < o->n - 1 && pos == ctx;
         if (eos || i == o->n - 1 || pos == ctx) break;
         for (int k = 0; k < e->n; k++) e->rank[k].trace = o->trace && i == 0;
+        if (o->trace && i == 0 && !o->quiet) fflush(stdout), fputc('\n', stderr);   /* the trace on a line of its own */
         engine_forward(e, &next, 1, pos++, 0);
         if (o->dump) dump_rows(e, o->dump, 1);
     }
@@ -3426,6 +3456,7 @@ static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOp
     }
     if (!st.made) st.prefill_s = now_s() - t0;
     st.decode_s = now_s() - t0 - st.prefill_s;
+    sigint_armed = 0;
     return st;
 }
 
@@ -3512,6 +3543,79 @@ static void bench(Engine *e, const char *model, int prompt_len, int n, int gpu) 
     printf("| achieved | %.0f GB/s per rank, %.1f%% of the copy bandwidth |\n", gbps, copy > 0 ? 100 * gbps / copy : 0);
     if (gpu) printf("| GPU memory in use | %.2f GB (largest rank) |\n", used / 1e9);
     free(prompt);
+}
+
+/* How rank 0's weight matrices are stored: the formats among them, quantized ones first ("bf16",
+ * "nvfp4+bf16", "nvfp4+fp8+bf16"), into buf. */
+static const char *weights_format(const Rank *r, char *buf, size_t cap) {
+    static const int order[] = {DT_NVFP4, DT_FP8, DT_BF16, DT_F16, DT_F32};
+    static const char *const name[] = {"f32", "bf16", "f16", "fp8", "", "nvfp4"};
+    unsigned seen = 0;
+#define SEEN(m) ((m).rows && (m).cols ? seen |= 1u << (m).dtype : 0)
+    SEEN(r->w.embed), SEEN(r->w.lm_head);
+    for (int l = 0; l < r->c->n_layers; l++) {
+        const Layer *L = &r->w.layer[l];
+        for (int k = 0; k < 5; k++) SEEN(L->in_proj[k]);
+        SEEN(L->out), SEEN(L->wq), SEEN(L->wk), SEEN(L->wv), SEEN(L->wo), SEEN(L->up), SEEN(L->down);
+        SEEN(L->sup), SEEN(L->sdown), SEEN(L->lat_in), SEEN(L->lat_out);
+        for (int e = 0; L->eup && e < r->c->n_experts; e++) SEEN(L->eup[e]), SEEN(L->edown[e]);
+    }
+#undef SEEN
+    buf[0] = 0;
+    for (int k = 0; k < 5; k++)
+        if (seen & 1u << order[k]) snprintf(buf + strlen(buf), cap - strlen(buf), "%s%s", buf[0] ? "+" : "", name[order[k]]);
+    return buf;
+}
+
+/* The parameters every tensor the config names holds, and those one token uses: of the routed
+ * experts only the top_k it chooses (everything else: embeddings, norms, router, shared expert). */
+static void count_params(const Config *c, double *total, double *active) {
+    double H = c->hidden, di = (double)c->m_heads * c->m_hdim, gn = (double)c->n_groups * c->d_state;
+    double q = (double)c->n_heads * c->head_dim, kv = (double)c->n_kv * c->head_dim, d = c->latent ? c->latent : H;
+    double all = 2.0 * c->vocab * H + H, unused = 0;   /* embedding, lm_head, norm_f */
+    for (int l = 0; l < c->n_layers; l++) {
+        all += H;                                       /* the layer's norm */
+        if (c->kind[l] == K_MAMBA)   /* in_proj, conv (+ bias), A_log, D, dt_bias, gated norm, out_proj */
+            all += (2 * di + 2 * gn + c->m_heads) * H + (di + 2 * gn) * (c->d_conv + c->conv_bias) + 3.0 * c->m_heads + di + H * di;
+        else if (c->kind[l] == K_ATTN)
+            all += (q + 2 * kv) * H + H * q;
+        else if (c->kind[l] == K_MLP)
+            all += 2.0 * c->mlp * H;
+        else {   /* router + bias, routed experts, shared expert, latent projections */
+            all += c->n_experts * (H + 1) + c->n_experts * 2.0 * c->moe * d + 2.0 * c->shared * H + 2.0 * c->latent * H;
+            unused += (c->n_experts - c->top_k) * 2.0 * c->moe * d;
+        }
+    }
+    *total = all;
+    *active = all - unused;
+}
+
+/* n in a short form: 14.6M, 31.6B. */
+static const char *human(char buf[16], double n) {
+    if (n >= 1e9) snprintf(buf, 16, "%.1fB", n / 1e9);
+    else if (n >= 1e6) snprintf(buf, 16, "%.1fM", n / 1e6);
+    else snprintf(buf, 16, "%.0f", n);
+    return buf;
+}
+
+/* One line, as llama-cli prints at load: the layers by kind, the parameters (active ones with MoE),
+ * the storage format, the context, the backend and ranks, and the sampling settings. */
+static void print_loaded(const Engine *e, const char *model, double secs, const GenOpts *o) {
+    const Config *c = &e->c;
+    char kinds[64] = "", b1[16], b2[16], active_s[48] = "", sampling[96], fmt[48];
+    for (const char *k = "M*-E"; *k; k++) {
+        int n = 0;
+        for (int l = 0; l < c->n_layers; l++) n += c->kind[l] == *k;
+        if (n) snprintf(kinds + strlen(kinds), sizeof kinds - strlen(kinds), "%s%d %c", *kinds ? ", " : "", n, *k);
+    }
+    double total, active;
+    count_params(c, &total, &active);
+    if (active < total) snprintf(active_s, sizeof active_s, " (%s active per token)", human(b2, active));
+    if (o->temp > 0) snprintf(sampling, sizeof sampling, "temperature %g, top-p %g", o->temp, o->topp);
+    else snprintf(sampling, sizeof sampling, "greedy");
+    fprintf(stderr, "nemoh: loaded %s in %.2f s: %d layers (%s), %s parameters%s, %s, context %d; backend %s, %d rank%s; %s, seed %llu\n",
+            model, secs, c->n_layers, kinds, human(b1, total), active_s, weights_format(&e->rank[0], fmt, sizeof fmt), e->rank[0].ctx,
+            e->be->name, e->n, e->n > 1 ? "s" : "", sampling, (unsigned long long)o->seed);
 }
 
 static void usage(void) {
@@ -3606,7 +3710,7 @@ int main(int argc, char **argv) {
     const char *dir = "weights", *ids_arg = NULL, *prompt = NULL, *dump_path = NULL, *preset = NULL, *tp_arg = "1";
     const char *tok_path = NULL, *prompt_file = NULL;
     int ctx = 0, use_cpu = 0, have_seed = 0, fuse = 1, graph = 1, chunk = 0, do_bench = 0, bench_ar = 0, P = 512;
-    int hidden = 4096, n_set = 0, encode = 0, print_ids = 0, chat = 0, interactive = 0, hide_think = 0;
+    int hidden = 4096, n_set = 0, encode = 0, print_ids = 0, chat = 0, interactive = 0, hide_think = 0, rc = 0;
     const char *system = NULL;
     Chat ch = {.think = -1};
     GenOpts o = {256, 0.8f, 0.95f, 0, NULL, 0, 0, NULL};
@@ -3749,6 +3853,9 @@ int main(int argc, char **argv) {
     check_tp(&e.c, tp);
     if (tok && tok_vocab_size(tok) > e.c.vocab)
         die("%s: %d tokens, more than the model's vocab_size %d", tok_path, tok_vocab_size(tok), e.c.vocab);
+    if (tok && tok_vocab_size(tok) < e.c.vocab)   /* checkpoints pad vocab_size past their tokenizer: accepted */
+        fprintf(stderr, "nemoh: warning: %s has %d ids, the model %d: ids from %d up have no text and print as <id N>\n",
+                tok_path, tok_vocab_size(tok), e.c.vocab, tok_vocab_size(tok));
     if (!do_bench && !chat && n_prompt == 0) die("the prompt is empty (and the tokenizer adds no BOS)");
     for (int i = 0; i < n_prompt; i++)
         if (tokens[i] >= e.c.vocab) die("--ids: token id %d is outside the vocabulary (vocab_size %d)", tokens[i], e.c.vocab);
@@ -3760,9 +3867,15 @@ int main(int argc, char **argv) {
     cpu_threads = (int)sysconf(_SC_NPROCESSORS_ONLN) / tp;
     if (cpu_threads < 1) cpu_threads = 1;
     build_engine(&e, &ck, be, tp, t_max, ctx, fuse, o.dump ? t_max : 1, graph);
-    fprintf(stderr, "nemoh: loaded %s in %.2f s (backend %s, %d rank%s, seed %llu)\n", preset ? preset : dir, now_s() - t0,
-            be->name, tp, tp > 1 ? "s" : "", (unsigned long long)o.seed);
+    GenOpts shown = o;
+    if (do_bench) shown.temp = 0;   /* --bench decodes greedily */
+    print_loaded(&e, preset ? preset : dir, now_s() - t0, &shown);
     if (n_mtp) fprintf(stderr, "nemoh: %d mtp.* tensors (multi-token prediction heads) are not used\n", n_mtp);
+    if (ctx > e.c.ctx)
+        fprintf(stderr, "nemoh: note: -c %d is more than the %d positions the model was trained on (max_position_embeddings)\n",
+                ctx, e.c.ctx);
+    if (!chat && !do_bench && !ids_arg && !*prompt_text)
+        fprintf(stderr, "nemoh: note: the prompt is empty: generating from the tokenizer's BOS alone\n");
     if (do_bench) {
         bench(&e, preset ? preset : dir, P, n_set ? o.n : 256, gpus > 0);
     } else if (chat) {
@@ -3776,11 +3889,13 @@ int main(int argc, char **argv) {
             else fputs(prompt_text, stdout);
             free(text);
         }
+        signal(SIGINT, on_sigint);
         GenStats st = generate(&e, tokens, n_prompt, &o);
-        fprintf(stderr, "nemoh: prefill %d tokens in %.3f s (%.1f tok/s); decode %d tokens in %.3f s (%.1f tok/s)\n",
-                n_prompt, st.prefill_s, n_prompt / st.prefill_s, st.made, st.decode_s,
-                st.made > 1 ? (st.made - 1) / st.decode_s : 0.0);
+        fprintf(stderr, "nemoh: prefill %d token%s in %.3f s (%.1f tok/s); decode %d token%s in %.3f s (%.1f tok/s)\n",
+                st.prefilled, st.prefilled == 1 ? "" : "s", st.prefill_s, st.prefilled ? st.prefilled / st.prefill_s : 0.0,
+                st.made, st.made == 1 ? "" : "s", st.decode_s, st.made > 1 ? (st.made - 1) / st.decode_s : 0.0);
         if (st.full) fprintf(stderr, "nemoh: stopped at the end of the context (%d tokens; -c sets it)\n", ctx);
+        if (sigint_stop) fprintf(stderr, "nemoh: interrupted (Ctrl-C)\n"), rc = 130;
     }
     check_stdout();
     if (o.dump && fclose(o.dump) != 0) die("--dump-logits %s: write failed", dump_path);
@@ -3790,6 +3905,6 @@ int main(int argc, char **argv) {
     free(file_text);
     chat_free(&ch);
     tok_free(tok);
-    return 0;
+    return rc;
 }
 #endif

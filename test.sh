@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # nemoh's tests. Builds from scratch; runs everything that needs no GPU, the CPU engine also under
 # AddressSanitizer + UndefinedBehaviorSanitizer; runs the GPU tests where a GPU exists (prints
-# `skipped: <reason>` elsewhere); ends with the line `N passed, M failed`.
+# `skipped: <reason>` elsewhere); ends with the line `N passed, M failed`. `./test.sh quick` leaves
+# out the sanitizer build and its runs and the fuzzing (CI runs ./test.sh, all of it).
 set -u
+case ${1:-} in "") QUICK= ;; quick) QUICK=1 ;; *) echo "usage: ./test.sh [quick]" >&2; exit 2 ;; esac
+# full: 0 (true) unless ./test.sh quick
+full() { [ -z "$QUICK" ]; }
 cd "$(dirname "$0")"
 PASS=0 FAIL=0
 T=$(mktemp -d)
@@ -21,7 +25,7 @@ finish() { echo "$PASS passed, $FAIL failed"; [ "$FAIL" -eq 0 ]; exit; }
 make clean >/dev/null
 if out=$(make 2>&1); then pass "make"; else fail "make" "$out"; finish; fi
 ASAN="$T/nemoh-asan"
-check "build CPU engine with -fsanitize=address,undefined" \
+full && check "build CPU engine with -fsanitize=address,undefined" \
     cc -std=c11 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -Wextra nemoh.c -o "$ASAN" -lm -lpthread
 check "build test helpers" sh -c "cc -O2 -o $T/compare_logits tests/compare_logits.c -lm && cc -O2 -o $T/make_bad tests/make_bad.c"
 check "make broken variants (and accepted ones) of a good model" "$T/make_bad" tests/fixtures/tiny-bf16 "$T/bad"
@@ -44,7 +48,7 @@ fixture_check() {
 for d in tests/fixtures/tiny-*; do
     f=$(basename "$d")
     fixture_check ./nemoh "$d" "cpu $f" --cpu
-    fixture_check "$ASAN" "$d" "asan $f"
+    full && fixture_check "$ASAN" "$d" "asan $f"
 done
 ./nemoh --cpu -m weights --ids "$(cat tests/fixtures/default-ref/ids.txt)" -n 1 -t 0 --dump-logits "$T/def.bin" >/dev/null 2>&1
 check "default model: held-out logits within 1e-4 of HF" "$T/compare_logits" "$T/def.bin" tests/fixtures/default-ref/ref_logits.bin 1e-4
@@ -82,13 +86,14 @@ for c in tiny-bf16:2 tiny-f32:2 tiny-f32:4 tiny-moe-bf16:2 tiny-moe-bf16:4 tiny-
     fixture_run ./nemoh "$d" "$T/$f-nf$n.bin" --cpu --tp $n --no-fuse >/dev/null
     check "$f --tp $n --no-fuse: logits equal to fused" "$T/compare_logits" "$T/$f-nf$n.bin" "$T/$f-tp$n.bin" 0
 done
-for f in tiny-f32 tiny-moe-latent-f32; do
+for f in $(full && echo tiny-f32 tiny-moe-latent-f32); do
     fixture_run "$ASAN" tests/fixtures/$f "$T/asan-$f-tp4.bin" --tp 4 >/dev/null
     check "asan $f --tp 4: logits within 1e-5 of --tp 1" "$T/compare_logits" "$T/asan-$f-tp4.bin" "$T/cpu $f.bin" 1e-5
 done
 
 # ---- the MoE router: grouped biased top-k and its ties against a float64 reference ----
 for san in "" "-fsanitize=address,undefined -fno-sanitize-recover=all"; do
+    [ -n "$san" ] && ! full && continue
     tag=$([ -z "$san" ] && echo cpu || echo asan)
     if out=$(cc -std=c11 -O1 -g $san -o "$T/test_router" tests/test_router.c -lm -lpthread 2>&1 && "$T/test_router" 2>&1); then
         pass "$tag MoE router against a float64 reference ($(tail -1 <<< "$out"))"
@@ -114,7 +119,7 @@ refuse_run() {
     refuse "$name" "$expect" bash -c 'o=$1; shift; if [ "$o" = - ]; then "$@" 2>&1 >&-; else "$@" 2>&1 >"$o"; fi |
         grep -v "^nemoh: loaded " >&2; exit ${PIPESTATUS[0]}' bash "$out" "$@"
 }
-for bin in ./nemoh "$ASAN"; do
+for bin in ./nemoh $(full && echo "$ASAN"); do
     tag=$([ "$bin" = ./nemoh ] && echo cpu || echo asan)
     for set in bad bad-moe; do
         check "$tag $set input: the unmodified control model loads" "$bin" -m "$T/$set/good" --ids "1 2" -n 1
@@ -172,7 +177,7 @@ chat_encode() {
     echo "$n renderings, $bad differ"; [ "$bad" -eq 0 ]
 }
 check "chat: --chat --encode equals HF's apply_chat_template ids (Nano v2, Nemotron 3, ChatML; fixture and Tekken vocabularies)" chat_encode ./nemoh
-check "asan chat: --chat --encode equals HF's ids (fixture vocabulary)" chat_encode "$ASAN" chat
+full && check "asan chat: --chat --encode equals HF's ids (fixture vocabulary)" chat_encode "$ASAN" chat
 # chat_turns BIN FORMAT TAG TOL SWITCH [args...]: a scripted 3-turn conversation on stdin (SWITCH:
 # --think, --no-think or -), its logits at every position, then the same ids prefilled from
 # scratch: equal within TOL; turns 2 and 3 prefill less than their whole rendering
@@ -192,7 +197,7 @@ chat_turns() {
 for fmt in nano-v2 nemotron-3 chatml; do chat_turns ./nemoh $fmt "cpu chat $fmt" 0 - --cpu; done
 chat_turns ./nemoh nemotron-3 "cpu chat nemotron-3 --no-think" 0 --no-think --cpu
 chat_turns ./nemoh nemotron-3 "cpu chat nemotron-3 --tp 2" 0 - --cpu --tp 2
-chat_turns "$ASAN" nano-v2 "asan chat nano-v2" 0 -
+full && chat_turns "$ASAN" nano-v2 "asan chat nano-v2" 0 -
 got=$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu --no-think 2>/dev/null)
 same "chat --hide-think: a reply without reasoning prints the same" "$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu --no-think --hide-think 2>/dev/null)" "$got"
 got=$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu 2>/dev/null)
@@ -280,7 +285,7 @@ err=$(grep -v '^nemoh: \(loaded\|turn\)' "$T/chatfull.err")
 [ $rc -eq 1 ] && [ "$err" = "nemoh: stdout: write failed: No space left on device" ] && pass "bad input: a chat reply to a full disk: one line, exit 1" \
     || fail "bad input: a chat reply to a full disk: one line, exit 1" "exit $rc: $err"
 { sleep 0.5; trap '' PIPE; ./nemoh --cpu -m $d --ids "1 2" -n 1000 -c 2000 -t 1 -s 1 2>"$T/pipe.err"; echo $? > "$T/pipe.rc"; } | true
-err=$(grep -v '^nemoh: loaded ' "$T/pipe.err")
+err=$(grep -v '^nemoh: \(loaded\|note\):\? ' "$T/pipe.err")
 [ "$(cat "$T/pipe.rc")" = 1 ] && [ "$err" = "nemoh: stdout: write failed: Broken pipe" ] && pass "bad input: a broken pipe with SIGPIPE ignored ends generation with one line" \
     || fail "bad input: a broken pipe with SIGPIPE ignored ends generation with one line" "exit $(cat "$T/pipe.rc"): $err"
 { sleep 0.5; ./nemoh --cpu -m $d --ids "1 2" -n 1000 -c 2000 -t 1 -s 1 2>/dev/null; echo $? > "$T/pipe.rc"; } | true
@@ -298,22 +303,58 @@ err=$(cat "$T/sigbus.err")
     && pass "bad input: the checkpoint truncated while mapped: one line naming it, exit 1" \
     || fail "bad input: the checkpoint truncated while mapped: one line naming it, exit 1" "exit $rc: $err"
 
-# a tokenizer smaller than the model's vocabulary: ids past it decode to nothing, as in HF
+# a tokenizer smaller than the model's vocabulary (real checkpoints pad vocab_size): accepted with one
+# warning naming both sizes; a sampled id past the tokenizer prints as <id N>, never as nothing
 mkdir -p "$T/padded" && cp $d/config.json $d/model.safetensors "$T/padded/" && cp tests/fuzz/bytes.tokenizer.json "$T/padded/tokenizer.json"
 ids=$(./nemoh --cpu -m "$T/padded" --ids "1 2" -n 200 -t 1 -s 5 --print-ids 2>/dev/null)
 ./nemoh --cpu -m "$T/padded" --ids "1 2" -n 200 -t 1 -s 5 > "$T/padded.out" 2>"$T/padded.err"; rc=$?
-kept=$(tr ' ' '\n' <<< "$ids" | awk '$1 < 256' | sed '${/^2$/d}' | tr '\n' ' ')
-./nemoh --cpu -m "$T/padded" --ids "1 2 $kept" -n 0 > "$T/padded.want" 2>/dev/null
-npad=$(tr ' ' '\n' <<< "$ids" | awk '$1 >= 256' | wc -l)
-[ $rc -eq 0 ] && [ "$npad" -gt 0 ] && cmp -s "$T/padded.out" "$T/padded.want" \
-    && pass "tokenizer of 256 ids, model of 1200: $npad sampled ids past the tokenizer decode to nothing" \
-    || fail "tokenizer of 256 ids, model of 1200: sampled ids past the tokenizer decode to nothing" "exit $rc, $npad padding ids: $(cat "$T/padded.err")"
+want=$(tr ' ' '\n' <<< "$ids" | awk '$1 >= 256' | tr '\n' ' ')
+got=$(grep -o '<id [0-9]*>' "$T/padded.out" | tr -dc '0-9\n' | tr '\n' ' ')
+warn=$(grep -c "warning: $T/padded/tokenizer.json has 256 ids, the model 1200: .* print as <id N>" "$T/padded.err")
+[ $rc -eq 0 ] && [ -n "$want" ] && [ "$got" = "$want" ] && [ "$warn" -eq 1 ] \
+    && pass "tokenizer of 256 ids, model of 1200: one warning; the $(wc -w <<< "$want") sampled ids past it print as <id N>" \
+    || fail "tokenizer of 256 ids, model of 1200: one warning; sampled ids past it print as <id N>" "exit $rc, ids past it: $want"$'\n'"shown: $got"$'\n'"$(cat "$T/padded.err")"
 
 # ---- the default model: `./nemoh "Once upon a time"` prints English ----
 out=$(./nemoh "Once upon a time" -n 40 -s 3 2>/dev/null)
 words=$(printf '%s' "$out" | wc -w)
 [[ $out == "Once upon a time"* ]] && [ "$words" -ge 15 ] && pass "./nemoh \"Once upon a time\" prints a continuation ($words words)" \
     || fail "./nemoh \"Once upon a time\" prints a continuation" "$out"
+
+# ---- the first five minutes: what a new user sees ----
+# the line at load: layers by kind, parameters (the safetensors headers' element counts; with MoE the
+# active ones: of the routed experts only top_k), storage format, context, backend, sampling
+for c in "weights:9 layers (4 M, 1 *, 4 -), 14.6M parameters, bf16, context 2048; backend cpu, 1 rank; greedy, seed 1" \
+         "tests/fixtures/tiny-f32:10 layers (4 M, 3 *, 3 -), 365088 parameters, f32, context 256; backend cpu, 1 rank; greedy, seed 1" \
+         "tests/fixtures/tiny-moe-bf16:7 layers (2 M, 1 *, 1 -, 3 E), 159892 parameters (108052 active per token), bf16, context 256; backend cpu, 2 ranks; temperature 0.7, top-p 0.9, seed 1"; do
+    m=${c%%:*} want=${c#*:}
+    args=(-t 0); [[ $m == *moe* ]] && args=(-t 0.7 -p 0.9 --tp 2)
+    got=$(./nemoh --cpu -m "$m" --ids "1 2" -n 1 -s 1 "${args[@]}" 2>&1 >/dev/null | sed -n 's/^nemoh: loaded [^:]*: //p')
+    same "the line at load ($m): layers, parameters, format, context, backend, sampling" "$got" "$want"
+done
+# Ctrl-C while generating (a model without eos_token_id: nothing ends it sooner): the line finished,
+# the figures of what was done, exit 130
+mkdir -p "$T/no-eos" && cp $C/tokenizer.json tests/fixtures/tiny-bf16/model.safetensors "$T/no-eos/"
+sed '/"eos_token_id"/d' tests/fixtures/tiny-bf16/config.json > "$T/no-eos/config.json"
+timeout --preserve-status -s INT 3 ./nemoh --cpu -m "$T/no-eos" "Hello" -n 1000000 -c 100000 -t 1 -s 1 >"$T/int.out" 2>"$T/int.err"; rc=$?
+if [ $rc -eq 130 ] && [ "$(tail -c 1 "$T/int.out" | od -An -c | tr -d ' ')" = '\n' ] \
+    && grep -q '^nemoh: prefill [0-9]* tokens in .*; decode [1-9][0-9]* tokens in ' "$T/int.err" && grep -q '^nemoh: interrupted (Ctrl-C)' "$T/int.err"; then
+    pass "Ctrl-C while generating: the line ends, prefill and decode figures printed, exit 130"
+else fail "Ctrl-C while generating: the line ends, prefill and decode figures printed, exit 130" "exit $rc: $(cat "$T/int.err")"; fi
+# --trace starts on a line of its own, not glued to the text on stdout
+n=$(./nemoh --cpu -m $C/chatml "Hi" -n 3 -t 0 --trace 2>&1 | grep -c '^layer   0 ')
+same "--trace: its first line starts a line (not after the prompt's text)" "$n" 1
+mkdir -p "$T/empty"
+refuse "bad input: -m a directory without config.json: why, and that it is not a model directory" \
+    "$T/empty/config.json: cannot open: No such file or directory ($T/empty is not a model directory" ./nemoh -m "$T/empty" "hi"
+n=$(./nemoh --cpu -m tests/fixtures/tiny-bf16 --ids "1 2" -n 1 -c 1000 2>&1 >/dev/null | grep -c '^nemoh: note: -c 1000 is more than the 256 positions the model was trained on')
+same "-c past the model's context: accepted with one note" "$n $(./nemoh --cpu -m tests/fixtures/tiny-bf16 --ids "1 2" -n 1 -c 100 2>&1 | grep -c note)" "1 0"
+out=$(./nemoh -n 4 -s 1 "" 2>&1 >/dev/null); rc=$?
+[ $rc -eq 0 ] && [ "$(grep -c '^nemoh: note: the prompt is empty: generating from the tokenizer.s BOS alone' <<< "$out")" -eq 1 ] \
+    && grep -q '^nemoh: prefill 1 token in ' <<< "$out" && pass "an empty prompt: one note, generated from BOS (prefill 1 token)" \
+    || fail "an empty prompt: one note, generated from BOS (prefill 1 token)" "exit $rc: $out"
+out=$(printf 'Hi\nYo\n' | ./nemoh --cpu -m $C/chatml --chat -n 8 -t 0 2>&1 >/dev/null | grep -cE '^nemoh: turn [12]: prefilled [0-9]+ of [0-9]+ tokens in .*; decoded [0-9]+ tokens? in [0-9.]+ s \([0-9.]+ tok/s\)$')
+same "chat: each turn's line gives its decode speed too" "$out" 2
 
 # ---- the README's option list is what -h prints ----
 help=$(./nemoh -h); at=$(grep -n '^usage: nemoh' README.md | cut -d: -f1)
@@ -334,7 +375,7 @@ nm=$(grep -c '^layer .* moe .*fused all-reduce' <<< "$tr")
     || fail "--trace on an MoE model: every layer's kind, moe partial sums reduced at the next entry" "$tr"
 
 # ---- fuzzing: the five libFuzzer harnesses of tests/fuzz, 20 s each, at once (make fuzz runs longer) ----
-out=$(tests/fuzz/run.sh 20 2>&1)
+out=$(if full; then tests/fuzz/run.sh 20 2>&1; else echo "skipped: fuzzing (./test.sh quick)"; fi)
 if grep -q '^skipped:' <<< "$out"; then grep '^skipped:' <<< "$out"
 else
     while IFS= read -r line; do

@@ -16,12 +16,15 @@
 //       the system message for Nano v2), then encoded by HF tokenizers without the
 //       post-processor's tokens (apply_chat_template's add_special_tokens=False). Nano v2 cases
 //       are also encoded with the real Nemotron-H vocabulary (tests/fixtures/tokenizer/tekken).
+//       Each rendering is also made by Python's jinja2 (render_chat.py, as transformers renders);
+//       where the two differ, jinja2's is kept and the case named on stderr.
 //
 //   cd tools && npm ci && node make_tokenizers.js && node make_chat_fixtures.js
 'use strict';
 const fs = require('fs');
 const path = require('path');
 const { Tokenizer } = require('tokenizers');
+const { execFileSync } = require('child_process');
 const { Template } = require('@huggingface/jinja');
 const { TEKKEN_SPLIT, B2C, byteLevel, tekkenJson } = require('./tekken');
 
@@ -52,6 +55,17 @@ const CASES = {
   'non-ascii': [S('Réponds en français — s\'il te plaît.'), U('Grüße aus Köln! ¿Qué tal? 日本語で 😀 ok')],
   'whitespace': [S('  padded system  \n'), U('\n  spaced out \n\n'), A('  <think>\nhm\n</think>\n\n  ok  '),
     U(' again\t')],
+};
+// Python's str.strip (jinja2's trim and strip) against every whitespace class: earlier replies that
+// are only whitespace once their reasoning is dropped, and each character str.isspace() knows
+// around stripped text, beside U+FEFF, which JavaScript's trim strips and Python's does not. Kept
+// out of the tokenizer's training text.
+const STRIP_CASES = {
+  'reply-only-reasoning': [U('q1'), A('<think>x</think>\n'), U('q2')],
+  'reply-whitespace': [U('q1'), A(' \n\t \n'), U('q2')],
+  'reply-python-whitespace': [U('q1'), A('\x85\u3000\x1c'), U('q2')],
+  'strip-classes': [S('\x1c\x1d\x85 sys \xa0\u1680'), U('\x1e\u2000\u200a hi \u2028\u2029\x0b\x0c'),
+    A('\x1f\u202f<think>r</think>\u205f ok \u3000\r\x85'), U('\ufeff q2 \ufeff')],
 };
 const TEMPLATES = {
   'nano-v2': 'nvidia-nemotron-nano-v2.jinja',
@@ -138,20 +152,27 @@ async function main() {
   }
 
   const encode = async (t, text) => (await t.encode(text, null, { addSpecialTokens: false })).getIds();
-  const rows = [];
-  for (const [name, messages] of Object.entries(CASES)) {
+  const jobs = [];
+  for (const [name, messages] of Object.entries({ ...CASES, ...STRIP_CASES })) {
     fs.writeFileSync(path.join(FIX, 'cases', `${name}.json`), JSON.stringify(messages, null, 1) + '\n');
     for (const f of Object.keys(TEMPLATES))
       for (const think of f === 'chatml' ? [null] : [null, true, false]) {
         const kwargs = f === 'nemotron-3' && think !== null ? { enable_thinking: think } : {};
-        const text = new Template(templates[f]).render({ messages: withSwitch(f, messages, think),
-          add_generation_prompt: true, bos_token: '<s>', eos_token: '</s>', ...kwargs });
-        const sw = think === null ? '-' : think ? '--think' : '--no-think';
-        rows.push([f, sw, name, 'chat', (await encode(tok, text)).join(' ')]);
-        if (f === 'nano-v2') rows.push([f, sw, name, 'tekken', (await encode(tekken, text)).join(' ')]);
+        const vars = { messages: withSwitch(f, messages, think), add_generation_prompt: true, bos_token: '<s>',
+          eos_token: '</s>', ...kwargs };
+        jobs.push({ f, name, sw: think === null ? '-' : think ? '--think' : '--no-think', template: templates[f], vars });
       }
   }
-  const head = '# format\tswitch\tcase\ttokenizer\tids (tools/make_chat_fixtures.js: @huggingface/jinja + HF tokenizers)\n';
+  const py = JSON.parse(execFileSync('python3', [path.join(__dirname, 'render_chat.py')],
+    { input: JSON.stringify(jobs.map(({ template, vars }) => ({ template, vars }))) }));
+  const rows = [];
+  for (const [i, { f, name, sw, template, vars }] of jobs.entries()) {
+    const text = py[i];
+    if (new Template(template).render(vars) !== text) console.error(`${f} ${sw} ${name}: @huggingface/jinja differs from jinja2; jinja2's kept`);
+    rows.push([f, sw, name, 'chat', (await encode(tok, text)).join(' ')]);
+    if (f === 'nano-v2') rows.push([f, sw, name, 'tekken', (await encode(tekken, text)).join(' ')]);
+  }
+  const head = '# format\tswitch\tcase\ttokenizer\tids (tools/make_chat_fixtures.js: jinja2, checked against @huggingface/jinja, + HF tokenizers)\n';
   fs.writeFileSync(path.join(FIX, 'expected.tsv'), head + rows.map((r) => r.join('\t')).join('\n') + '\n');
   console.error(`${path.join(FIX, 'expected.tsv')}: ${rows.length} renderings`);
 }

@@ -1,4 +1,4 @@
-/* fuzz_decode: decoding arbitrary ids (negative, past the vocabulary: they decode to nothing)
+/* fuzz_decode: decoding arbitrary ids (negative, past the vocabulary: shown as "<id N>")
  * with the default tokenizer. The input is little-endian int32 ids: the whole decode and the
  * streamed one agree, are valid UTF-8, and no streamed write ends inside a character. */
 #include "fuzz.h"
