@@ -1,6 +1,7 @@
 /* nemoh.cu: the CUDA backend. The same forward pass as the CPU reference in nemoh.c, on one GPU per
- * tensor-parallel rank: weights kept in the dtype they were stored in (bf16 stays bf16, f32 and f16
- * become f32), the KV cache in the same dtype, fp32 activations, residual and SSM state. Matrix-vector
+ * tensor-parallel rank: weights kept in the format they were stored in (bf16 stays bf16, FP8 and
+ * NVFP4 stay quantized, f32 and f16 become f32), the KV cache in bf16 (fp32 for an fp32 model), fp32
+ * activations, residual and SSM state. Matrix-vector
  * products for one token are our own bandwidth-bound kernels; for a prompt chunk they go through cuBLAS,
  * and with a bf16 model its attention and scan run on the tensor cores too (flash attention, the
  * chunked SSD scan). Ranks talk through NCCL; the all-reduce a layer owes is fused into the next
@@ -12,6 +13,8 @@
  * (the mixture-of-experts layer last), setup and teardown, benchmarks. */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <nccl_device.h>
@@ -75,14 +78,29 @@ __device__ __forceinline__ void pdl_wait() {
 
 typedef __nv_bfloat16 bf16;
 
+/* A weight matrix on the device, in the format it was stored in (see Mat in nemoh.h): fp32 (f16 is
+ * widened), bf16, FP8 E4M3 bytes or NVFP4's packed E2M1 pairs with their block scales. A quantized
+ * matrix keeps its per-tensor scale per row, since one matrix may stack several tensors (q, k, v). */
 typedef struct {
-    void *w;                    /* [rows, ld] row-major, bf16 or fp32 */
-    int bf;                     /* 1: bf16 elements, 0: fp32 */
+    void *w;                    /* [rows, ld] row-major elements of fmt */
+    int fmt;                    /* DT_F32, DT_BF16, DT_FP8 or DT_NVFP4 */
     int rows, cols;             /* logical shape */
-    int ld;                     /* row stride in elements, a multiple of 8 (16-byte rows) */
+    int ld;                     /* row stride in elements: 16-byte rows (a multiple of fmt_per) */
+    uint8_t *bs;                /* DT_NVFP4: [rows, ld / 16] E4M3 block scales */
+    float *rs;                  /* DT_FP8, DT_NVFP4: [rows] the scale of the tensor each row came from */
 } GMat;
 
-static size_t gmat_bytes(const GMat *W) { return (size_t)W->rows * W->ld * (W->bf ? 2 : 4); }
+/* Elements in 16 bytes of a format: fp32 4, bf16 8, FP8 16, NVFP4 32. */
+static __host__ __device__ constexpr int fmt_per(int fmt) { return fmt == DT_F32 ? 4 : fmt == DT_BF16 ? 8 : fmt == DT_FP8 ? 16 : 32; }
+
+/* Bytes of a row of ld elements (ld a multiple of fmt_per). */
+static __host__ __device__ size_t row_bytes(int fmt, size_t ld) { return ld / fmt_per(fmt) * 16; }
+
+/* A prompt's activations meet W on the tensor cores in bf16, unless W is fp32 (then fp32, exact). */
+static int lowp(const GMat *W) { return W->fmt != DT_F32; }
+
+/* Bytes of W's elements (not of its scales). */
+static size_t gmat_bytes(const GMat *W) { return (size_t)W->rows * row_bytes(W->fmt, W->ld); }
 
 /* n rounded up to a multiple of 8 elements: rows that start 16-byte aligned (bf16) */
 static __host__ __device__ int pad8(int n) { return (n + 7) / 8 * 8; }
@@ -104,7 +122,7 @@ typedef struct {
     GMat lat_in, lat_out;       /* [latent, hidden] fc1, [hidden, latent] fc2 (latent MoE; rows 0 without) */
     float *conv_st;             /* [conv, 3] last conv inputs, oldest first */
     float *ssm;                 /* [m_heads, m_hdim, d_state] fp32 state */
-    void *k, *v;                /* [ctx, kv * head_dim] cache in the weights' dtype: bf16 if qkv.bf, else fp32 */
+    void *k, *v;                /* [ctx, kv * head_dim] cache: bf16 if lowp(qkv), else fp32 */
 } GLayer;
 
 /* Memory the fused all-reduce reads from every rank: NCCL symmetric memory registered as a window,
@@ -129,8 +147,7 @@ typedef struct {
     cublasHandle_t blas;        /* prefill matrix products */
     void *blas_ws;              /* cuBLAS workspace */
     GLayer L[MAX_LAYERS];       /* [n_layers] weights and state */
-    bf16 *embed;                /* [vocab, hidden] (bf16 or fp32, see embed_bf) */
-    int embed_bf;               /* embedding stored as bf16 (1) or fp32 (0) */
+    GMat embed;                 /* [vocab, hidden] */
     GMat lm_head;               /* [vocab / n, hidden] */
     float *norm_f;              /* [hidden] */
     float *res;                 /* [t_max, hidden] residual stream */
@@ -150,6 +167,7 @@ typedef struct {
     float *xbc;                 /* [t_max, conv] conv1d + SiLU output */
     float *y;                   /* [t_max, y_w] mixer output before its out projection */
     bf16 *act16;                /* [t_max, act_w] bf16 copy of a GEMM input */
+    bf16 *deq;                  /* [DEQ_BYTES / 2] some rows of a quantized matrix, dequantized for a prompt's product */
     float *part;                /* [q, splits, head_dim + 2] decode attention partials */
     float *gss;                 /* [m_heads, scan blocks a head] decode: each scan block's sum of u^2 */
     float *logits_local;        /* [logit_rows, vocab / n] */
@@ -183,6 +201,91 @@ typedef struct {
 } GpuRank;
 
 enum { FUSED_BLOCKS = 1024, NORM_THREADS = 1024, NORM_PER = 8 };
+
+/* ------------------------------------------------------------------------------------------------
+ * Kernels: the stored formats, decoded (Mat in nemoh.h defines them; the host's mat_at is the reference)
+ * ---------------------------------------------------------------------------------------------- */
+
+/* An E4M3 byte as fp32 (Hopper converts FP8 in hardware; exact). */
+__device__ __forceinline__ float e4m3f(unsigned b) {
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3)));
+}
+
+/* An E2M1 code as fp32: its sign and three bits placed as an f16's (bit 15; exponent and mantissa
+ * at bits 9-11) make the value times 2^-14, subnormal 0.5 included. */
+__device__ __forceinline__ float e2m1f(unsigned n) {
+    return __half2float(__ushort_as_half((unsigned short)((n & 8) << 12 | (n & 7) << 9))) * 16384.0f;
+}
+
+/* Element k of a stored row (bs: the row's NVFP4 block scales), before the row's scale. */
+template <int FMT> __device__ __forceinline__ float stored_elem(const char *row, const uint8_t *bs, int k) {
+    if (FMT == DT_F32) return ((const float *)row)[k];
+    if (FMT == DT_BF16) return __bfloat162float(((const bf16 *)row)[k]);
+    if (FMT == DT_FP8) return e4m3f((uint8_t)row[k]);
+    unsigned b = (uint8_t)row[k / 2];
+    return e2m1f(k & 1 ? b >> 4 : b & 15) * e4m3f(bs[k / 16]);
+}
+
+/* W[row][k], dequantized. */
+__device__ __forceinline__ float mat_elem(const GMat &W, size_t row, int k) {
+    const char *p = (const char *)W.w + row * row_bytes(W.fmt, W.ld);
+    const uint8_t *bs = W.bs ? W.bs + row * (W.ld / 16) : NULL;
+    switch (W.fmt) {
+    case DT_F32: return stored_elem<DT_F32>(p, bs, k);
+    case DT_BF16: return stored_elem<DT_BF16>(p, bs, k);
+    case DT_FP8: return stored_elem<DT_FP8>(p, bs, k) * W.rs[row];
+    default: {   /* e2m1 * (e4m3 * scale), in mat_at's order: the same value, bit for bit */
+        unsigned b = (uint8_t)p[k / 2];
+        return e2m1f(k & 1 ? b >> 4 : b & 15) * (e4m3f(bs[k / 16]) * W.rs[row]);
+    }
+    }
+}
+
+/* 8 E2M1 codes (a 32-bit word, element i in bits 4i..4i+3) dotted with x[0..7], times 2^-14. The
+ * codes at the top of each 16-bit half become two f16 at once (Marlin's bit trick): sign kept, the
+ * three bits shifted into the exponent and mantissa; then the next pair is shifted to the top. */
+__device__ __forceinline__ float e2m1_dot8(uint32_t q, const float *x) {
+    const float4 a = *(const float4 *)x, b = *(const float4 *)(x + 4);
+    const float xl[4] = {a.w, a.z, a.y, a.x}, xh[4] = {b.w, b.z, b.y, b.x};   /* elements 3-j and 7-j */
+    float acc = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++, q <<= 4) {
+        uint32_t h = (q & 0x80008000u) | ((q & 0x70007000u) >> 3);
+        float2 f = __half22float2(*(const __half2 *)&h);
+        acc += f.x * xl[j] + f.y * xh[j];
+    }
+    return acc;
+}
+
+/* 16 bytes of a row (fmt_per(FMT) elements) dotted with the matching x, before the row's scale; s:
+ * NVFP4's two E4M3 block scales of those 32 elements, the first in the low byte. x is 16-byte aligned. */
+template <int FMT> __device__ __forceinline__ float dot16(uint4 w, uint32_t s, const float *x) {
+    uint32_t u[4] = {w.x, w.y, w.z, w.w};
+    if (FMT == DT_F32) {
+        const float4 a = *(const float4 *)x;
+        return __uint_as_float(u[0]) * a.x + __uint_as_float(u[1]) * a.y + __uint_as_float(u[2]) * a.z + __uint_as_float(u[3]) * a.w;
+    }
+    float acc = 0;
+    if (FMT == DT_BF16) {
+        const float4 a = *(const float4 *)x, b = *(const float4 *)(x + 4);
+        float lo[4], hi[4];
+        for (int k = 0; k < 4; k++) { lo[k] = __uint_as_float(u[k] << 16); hi[k] = __uint_as_float(u[k] & 0xffff0000u); }
+        return lo[0] * a.x + hi[0] * a.y + lo[1] * a.z + hi[1] * a.w + lo[2] * b.x + hi[2] * b.y + lo[3] * b.z + hi[3] * b.w;
+    }
+    if (FMT == DT_FP8) {
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const float4 a = *(const float4 *)(x + 4 * q);
+            float2 lo = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(u[q] & 0xffffu), __NV_E4M3)));
+            float2 hi = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(u[q] >> 16), __NV_E4M3)));
+            acc += lo.x * a.x + lo.y * a.y + hi.x * a.z + hi.y * a.w;
+        }
+        return acc;
+    }
+    acc = (e2m1_dot8(u[0], x) + e2m1_dot8(u[1], x + 8)) * e4m3f(s & 255) +
+          (e2m1_dot8(u[2], x + 16) + e2m1_dot8(u[3], x + 24)) * e4m3f(s >> 8 & 255);
+    return acc * 16384.0f;
+}
 
 /* ------------------------------------------------------------------------------------------------
  * Kernels: embedding, norms, elementwise
@@ -220,12 +323,10 @@ template <typename T> __device__ T block_sum(T v) {
 }
 
 /* res[t] = embedding[tok[t]]; one thread per element */
-__global__ void embed_kernel(float *res, const void *emb, int bf, const int *tok, int H) {
+__global__ void embed_kernel(float *res, const GMat emb, const int *tok, int H) {
     pdl_wait();
     int t = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= H) return;
-    size_t row = (size_t)tok[t] * H;
-    res[(size_t)t * H + i] = bf ? __bfloat162float(((const bf16 *)emb)[row + i]) : ((const float *)emb)[row + i];
+    if (i < H) res[(size_t)t * H + i] = mat_elem(emb, tok[t], i);
 }
 
 /* The two norm kernels below hold a row in registers, NORM_PER elements a thread (element
@@ -364,12 +465,16 @@ __global__ void relu2_kernel(float *x, size_t n) {
     if (i < n) { float v = fmaxf(x[i], 0.0f); x[i] = v * v; }
 }
 
-/* Deterministic uniform(-a, a) fill for synthetic weights (the same coin() as the host). */
-__global__ void fill_kernel(void *p, int bf, size_t n, float a, uint64_t seed) {
+/* Deterministic fill for synthetic weights (the same coin() as the host): n elements uniform(-a, a)
+ * (fp32, bf16), or n random code bytes (FP8 but its NaNs; NVFP4 pairs), as the host's add_random. */
+__global__ void fill_kernel(void *p, int fmt, size_t n, float a, uint64_t seed) {
     pdl_wait();
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float v = (2.0f * coin(seed, i) - 1.0f) * a;
-        if (bf) ((bf16 *)p)[i] = __float2bfloat16(v); else ((float *)p)[i] = v;
+        float u = coin(seed, i), v = (2.0f * u - 1.0f) * a;
+        uint8_t b = (uint8_t)(u * 256);
+        if (fmt == DT_BF16) ((bf16 *)p)[i] = __float2bfloat16(v);
+        else if (fmt == DT_F32) ((float *)p)[i] = v;
+        else ((uint8_t *)p)[i] = b ^ (fmt == DT_FP8 && (b & 0x7F) == 0x7F);
     }
 }
 
@@ -465,78 +570,107 @@ __device__ __forceinline__ uint4 ld_stream(const uint4 *p) {
     return v;
 }
 
-/* 16 bytes of weights dotted with the matching x: 8 bf16 or 4 fp32 elements */
-__device__ __forceinline__ float dot16(uint4 w, const float *x, int bf) {
-    if (bf) {
-        const float4 a = *(const float4 *)x, b = *(const float4 *)(x + 4);
-        uint32_t u[4] = {w.x, w.y, w.z, w.w};
-        float lo[4], hi[4];
-        for (int k = 0; k < 4; k++) { lo[k] = __uint_as_float(u[k] << 16); hi[k] = __uint_as_float(u[k] & 0xffff0000u); }
-        return lo[0] * a.x + hi[0] * a.y + lo[1] * a.z + hi[1] * a.w + lo[2] * b.x + hi[2] * b.y + lo[3] * b.z + hi[3] * b.w;
-    }
-    const float4 a = *(const float4 *)x;
-    return __uint_as_float(w.x) * a.x + __uint_as_float(w.y) * a.y + __uint_as_float(w.z) * a.z + __uint_as_float(w.w) * a.w;
+/* A lane's 16-byte piece of a row and, for NVFP4, the two block scales its 32 elements span. */
+struct Piece {
+    uint4 w;
+    uint32_t s;
+};
+
+/* Piece c of a row (bs: the row's block scales). */
+template <int FMT> __device__ __forceinline__ Piece piece_load(const uint4 *w, const uint8_t *bs, int c) {
+    Piece p = {ld_stream(w + c), 0};
+    if (FMT == DT_NVFP4) p.s = __ldg((const unsigned short *)bs + c);
+    return p;
 }
 
-/* A lane's four 16-byte pieces c, c + st, c + 2 st, c + 3 st of a row; zeros from nvec on. */
-__device__ __forceinline__ void row_load(uint4 (&v)[4], const uint4 *w, int c, int st, int nvec) {
+/* A lane's four pieces c, c + st, c + 2 st, c + 3 st of a row; zeros from nvec on. */
+template <int FMT> __device__ __forceinline__ void row_load(Piece (&v)[4], const uint4 *w, const uint8_t *bs, int c, int st, int nvec) {
 #pragma unroll
-    for (int k = 0; k < 4; k++) v[k] = c + k * st < nvec ? ld_stream(w + c + k * st) : make_uint4(0, 0, 0, 0);
+    for (int k = 0; k < 4; k++) v[k] = c + k * st < nvec ? piece_load<FMT>(w, bs, c + k * st) : Piece{make_uint4(0, 0, 0, 0), 0};
 }
 
 /* The elements of a row past its last whole 16-byte piece, k = from, from + st, ..., each times x[k] sc(k). */
-template <int BF, typename Scale>
-__device__ __forceinline__ float row_tail(const char *row, const float *x, int from, int cols, int st, Scale sc) {
+template <int FMT, typename Scale>
+__device__ __forceinline__ float row_tail(const char *row, const uint8_t *bs, const float *x, int from, int cols, int st, Scale sc) {
     float acc = 0;
-    for (int k = from; k < cols; k += st) acc += (BF ? __bfloat162float(((const bf16 *)row)[k]) : ((const float *)row)[k]) * x[k] * sc(k);
+    for (int k = from; k < cols; k += st) acc += stored_elem<FMT>(row, bs, k) * x[k] * sc(k);
     return acc;
 }
 
-/* This lane's part of row . x over `cols` elements (BF: bf16, else fp32), element k weighed by sc(k):
- * its 16-byte pieces c, c + st, ..., v holding the first four (row_load). Whole fours: the next four
- * go out before this four's math; the last, partial four too, so none of its pieces waits alone (a
- * row of 2688 bf16 is 10.5 pieces a lane). Then the elements past the last whole piece. row and x are
- * 16-byte aligned. */
-template <int BF, typename Scale>
-__device__ __forceinline__ float row_dot(const char *row, const float *x, int cols, int c, int st, uint4 (&v)[4], Scale sc) {
-    constexpr int per = BF ? 8 : 4;   /* elements per 16 bytes */
+/* This lane's part of row . x over `cols` elements of format FMT (before the row's scale), element k
+ * weighed by sc(k): its 16-byte pieces c, c + st, ..., v holding the first four (row_load). Whole
+ * fours: the next four go out before this four's math; the last, partial four too, so none of its
+ * pieces waits alone (a row of 2688 bf16 is 10.5 pieces a lane). Then the elements past the last
+ * whole piece. row and x are 16-byte aligned. */
+template <int FMT, typename Scale>
+__device__ __forceinline__ float row_dot(const char *row, const uint8_t *bs, const float *x, int cols, int c, int st, Piece (&v)[4],
+                                         Scale sc) {
+    constexpr int per = fmt_per(FMT);
     const uint4 *w = (const uint4 *)row;
     int nvec = cols / per, first = c;
     float acc = 0;
     for (; c + 3 * st < nvec; c += 4 * st) {
-        uint4 u0 = v[0], u1 = v[1], u2 = v[2], u3 = v[3];
+        Piece u0 = v[0], u1 = v[1], u2 = v[2], u3 = v[3];
         if (c + 7 * st < nvec) {
-            v[0] = ld_stream(w + c + 4 * st); v[1] = ld_stream(w + c + 5 * st); v[2] = ld_stream(w + c + 6 * st);
-            v[3] = ld_stream(w + c + 7 * st);
+            v[0] = piece_load<FMT>(w, bs, c + 4 * st); v[1] = piece_load<FMT>(w, bs, c + 5 * st);
+            v[2] = piece_load<FMT>(w, bs, c + 6 * st); v[3] = piece_load<FMT>(w, bs, c + 7 * st);
         } else {
-            row_load(v, w, c + 4 * st, st, nvec);
+            row_load<FMT>(v, w, bs, c + 4 * st, st, nvec);
         }
-        acc += sc(c * per) * dot16(u0, x + c * per, BF) + sc((c + st) * per) * dot16(u1, x + (c + st) * per, BF) +
-               sc((c + 2 * st) * per) * dot16(u2, x + (c + 2 * st) * per, BF) +
-               sc((c + 3 * st) * per) * dot16(u3, x + (c + 3 * st) * per, BF);
+        acc += sc(c * per) * dot16<FMT>(u0.w, u0.s, x + c * per) + sc((c + st) * per) * dot16<FMT>(u1.w, u1.s, x + (c + st) * per) +
+               sc((c + 2 * st) * per) * dot16<FMT>(u2.w, u2.s, x + (c + 2 * st) * per) +
+               sc((c + 3 * st) * per) * dot16<FMT>(u3.w, u3.s, x + (c + 3 * st) * per);
     }
 #pragma unroll
     for (int k = 0; k < 3; k++)
-        if (c + k * st < nvec) acc += sc((c + k * st) * per) * dot16(v[k], x + (c + k * st) * per, BF);
-    return acc + row_tail<BF>(row, x, nvec * per + first, cols, st, sc);
+        if (c + k * st < nvec) acc += sc((c + k * st) * per) * dot16<FMT>(v[k].w, v[k].s, x + (c + k * st) * per);
+    return acc + row_tail<FMT>(row, bs, x, nvec * per + first, cols, st, sc);
 }
 
 /* The same, unweighed, for the expert kernels' rows (whose addresses a lane learns after the wait):
  * four loads in flight, then one at a time. On H200 the pipelined form above made the MoE down
  * product slower (42.3 against 31.2 us a layer of nemotron-3-nano-30b-a3b, 2026-12-03). */
-template <int BF> __device__ __forceinline__ float row_dot(const char *row, const float *x, int cols, int c, int st) {
-    constexpr int per = BF ? 8 : 4;
+template <int FMT> __device__ __forceinline__ float row_dot(const char *row, const uint8_t *bs, const float *x, int cols, int c, int st) {
+    constexpr int per = fmt_per(FMT);
     const uint4 *w = (const uint4 *)row;
     int nvec = cols / per, first = c;
     float acc = 0;
     for (; c + 3 * st < nvec; c += 4 * st) {
-        uint4 a = ld_stream(w + c), b = ld_stream(w + c + st), d = ld_stream(w + c + 2 * st), e = ld_stream(w + c + 3 * st);
-        acc += dot16(a, x + c * per, BF) + dot16(b, x + (c + st) * per, BF) + dot16(d, x + (c + 2 * st) * per, BF) +
-               dot16(e, x + (c + 3 * st) * per, BF);
+        Piece a = piece_load<FMT>(w, bs, c), b = piece_load<FMT>(w, bs, c + st), d = piece_load<FMT>(w, bs, c + 2 * st),
+              e = piece_load<FMT>(w, bs, c + 3 * st);
+        acc += dot16<FMT>(a.w, a.s, x + c * per) + dot16<FMT>(b.w, b.s, x + (c + st) * per) +
+               dot16<FMT>(d.w, d.s, x + (c + 2 * st) * per) + dot16<FMT>(e.w, e.s, x + (c + 3 * st) * per);
     }
-    for (; c < nvec; c += st) acc += dot16(ld_stream(w + c), x + c * per, BF);
-    return acc + row_tail<BF>(row, x, nvec * per + first, cols, st, [](int) { return 1.0f; });
+    for (; c < nvec; c += st) {
+        Piece a = piece_load<FMT>(w, bs, c);
+        acc += dot16<FMT>(a.w, a.s, x + c * per);
+    }
+    return acc + row_tail<FMT>(row, bs, x, nvec * per + first, cols, st, [](int) { return 1.0f; });
 }
+
+/* The same for a matrix whose format is known at run time (warp-uniform), of a kernel compiled for
+ * format F: one of them, or FMT_ANY. The expert kernels read matrices of several formats in one launch
+ * (NVFP4 experts beside an FP8 shared expert and a bf16 fc2); a model of one format keeps kernels that
+ * decode only it (the others' code costs registers). */
+enum { FMT_ANY = 99 };
+template <int F>
+__device__ __forceinline__ float row_dot_fmt(int fmt, const char *row, const uint8_t *bs, const float *x, int cols, int c, int st) {
+    if (F == DT_F32 || (F == FMT_ANY && fmt == DT_F32)) return row_dot<DT_F32>(row, bs, x, cols, c, st);
+    if (F == DT_BF16 || (F == FMT_ANY && fmt == DT_BF16)) return row_dot<DT_BF16>(row, bs, x, cols, c, st);
+    if (F == DT_FP8 || fmt == DT_FP8) return row_dot<DT_FP8>(row, bs, x, cols, c, st);
+    return row_dot<DT_NVFP4>(row, bs, x, cols, c, st);
+}
+
+/* The format class an expert kernel is compiled for, given the formats of the matrices it reads. */
+static int fmt_class(std::initializer_list<int> fmts) {
+    int f = *fmts.begin();
+    for (int x : fmts) if (x != f) return FMT_ANY;
+    return f;
+}
+
+/* Blocks an SM holds of a one-token product's kernel: NVFP4's decoding needs more registers than
+ * 16 blocks of two warps leave (64), so it takes 8. */
+__host__ __device__ constexpr int gemv_min_blocks(int fmt) { return fmt == DT_NVFP4 || fmt == FMT_ANY ? 8 : 16; }
 
 /* Blocks of two warps: as a product's last blocks drain, the next kernel's blocks take the freed
  * slots in small steps. Tuned on H200: blocks of 8, 4 and 1 warps are slower, and so is the code the
@@ -545,8 +679,7 @@ enum { GEMV_WARPS = 2 };
 
 typedef struct {
     float *out;                 /* [rows] */
-    const void *W;              /* [rows, ld] bf16 or fp32 (the kernel's BF) */
-    int ld, rows, cols;         /* row stride (a multiple of 8 elements: 16-byte rows), shape */
+    GMat W;                     /* the matrix, of the kernel's FMT */
     const float *x;             /* [cols], 16-byte aligned */
     int wpr;                    /* warps a row: 1 or 2 (gemv_wpr) */
     const void *warm;           /* decode-only: the next product, warmed in L2 (l2_warm) */
@@ -555,28 +688,29 @@ typedef struct {
     GroupScale gs;              /* EPI_GNORM: the scan's partial sums of u^2 */
 } GemvArgs;
 
-/* out[i] = epi(sum_k W[i][k] x[k]); wpr warps per row, four to eight 16-byte loads in flight per
- * lane (row_dot), the first four before the wait. Blocks from warm_from on (the last wave) then warm
- * L2 for the next product. */
-template <int BF, int EPI>
-__global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(const __grid_constant__ GemvArgs a) {
+/* out[i] = epi(s_i sum_k W[i][k] x[k]), s_i the row's scale (quantized W); wpr warps per row, four to
+ * eight 16-byte loads in flight per lane (row_dot), the first four before the wait. Blocks from
+ * warm_from on (the last wave) then warm L2 for the next product. */
+template <int FMT, int EPI>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(FMT)) gemv_kernel(const __grid_constant__ GemvArgs a) {
     const float *x = a.x;
     const GroupScale gs = a.gs;
-    int rows = a.rows, cols = a.cols, wpr = a.wpr;
+    int rows = a.W.rows, cols = a.W.cols, wpr = a.wpr;
     __shared__ float red[GEMV_WARPS];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr;
-    int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr;
-    const int per = BF ? 8 : 4;                         /* elements per 16 bytes */
-    const char *wrow = (const char *)a.W + (size_t)(row < rows ? row : 0) * a.ld * (BF ? 2 : 4);
+    int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr, r = row < rows ? row : 0;
+    const char *wrow = (const char *)a.W.w + (size_t)r * row_bytes(FMT, a.W.ld);
+    const uint8_t *brow = FMT == DT_NVFP4 ? a.W.bs + (size_t)r * (a.W.ld / 16) : NULL;
+    float scale = FMT == DT_FP8 || FMT == DT_NVFP4 ? a.W.rs[r] : 1.0f;
     int st = 32 * wpr, c = part * 32 + lane;
-    uint4 v[4] = {};
-    if (row < rows) row_load(v, (const uint4 *)wrow, c, st, cols / per);   /* fetched while the previous kernel finishes */
+    Piece v[4] = {};
+    if (row < rows) row_load<FMT>(v, (const uint4 *)wrow, brow, c, st, cols / fmt_per(FMT));   /* fetched while the previous kernel finishes */
     pdl_wait();
     __shared__ float gsum[EPI == EPI_GNORM ? GNORM_PARTS : 1];
     if (EPI == EPI_GNORM) group_scales<32 * GEMV_WARPS>(gsum, gs, cols);
     auto sc = [&](int k) { return EPI == EPI_GNORM ? gsum[k / gs.gsize * gs.parts] : 1.0f; };   /* element k's scale */
     float acc = 0;
-    if (row < rows) acc = warp_sum(row_dot<BF>(wrow, x, cols, c, st, v, sc));
+    if (row < rows) acc = warp_sum(row_dot<FMT>(wrow, brow, x, cols, c, st, v, sc));
     if ((int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
     if (wpr > 1) {
         if (lane == 0) red[warp] = acc;
@@ -585,6 +719,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(const __grid_
         for (int k = 1; k < wpr; k++) acc += red[warp + k];
     }
     if (lane == 0 && row < rows) {
+        acc *= scale;
         if (EPI == EPI_RELU2) { acc = fmaxf(acc, 0.0f); acc *= acc; }
         a.out[row] = acc;
     }
@@ -783,10 +918,10 @@ static int scan_threads(int hdim, int N) { return std::min((int)SCAN_THREADS, ((
 static int scan_blocks(int hdim, int N) { return cdiv(hdim, scan_threads(hdim, N) / scan_lanes(N) * 4); }
 
 /* Whether a step of T tokens over `heads` heads folds the gated norm into the scan and out_proj (see
- * the decode-only fusions): at decode, where a group of gsize channels is whole 16-byte pieces of y and all the
- * scan's partial sums fit. */
-static int gnorm_folds(int T, int heads, int hdim, int N, int gsize) {
-    return T == 1 && gsize % 8 == 0 && heads * scan_blocks(hdim, N) <= GNORM_PARTS;
+ * the decode-only fusions): at decode, where a group of gsize channels is whole 16-byte pieces of
+ * out_proj's rows (per elements a piece) and all the scan's partial sums fit. */
+static int gnorm_folds(int T, int heads, int hdim, int N, int gsize, int per) {
+    return T == 1 && gsize % per == 0 && heads * scan_blocks(hdim, N) <= GNORM_PARTS;
 }
 
 /* Launches the scan for `heads` heads of hdim channels, state size N; half the chunk at N = 256 to
@@ -1652,9 +1787,9 @@ __global__ void __launch_bounds__(ROUTE_THREADS) moe_route_kernel(int *idx, floa
 #pragma unroll
     for (int k = 0; k < ROUTE_PER; k++) {
         int v = threadIdx.x + k * ROUTE_THREADS;
-        if (v < nvec) acc += dot16(a[k], x + 4 * v, 0);
+        if (v < nvec) acc += dot16<DT_F32>(a[k], 0, x + 4 * v);
     }
-    for (int v = threadIdx.x + ROUTE_PER * ROUTE_THREADS; v < nvec; v += ROUTE_THREADS) acc += dot16(ld_stream(w + v), x + 4 * v, 0);
+    for (int v = threadIdx.x + ROUTE_PER * ROUTE_THREADS; v < nvec; v += ROUTE_THREADS) acc += dot16<DT_F32>(ld_stream(w + v), 0, x + 4 * v);
     acc = block_sum(acc);
     __shared__ int last;
     if (threadIdx.x == 0) {
@@ -1687,10 +1822,21 @@ __device__ __forceinline__ void l2_row(const char *p, size_t n, int first, int s
 
 /* A matrix a one-token expert product reads, with its input. */
 typedef struct {
-    const void *w;              /* [rows, ld] bf16 or fp32; routed: every expert's, stacked, erows each */
+    GMat W;                     /* routed: every expert's rows, stacked, erows each */
     const float *x;             /* [cols] input, 16-byte aligned; routed down: slot j's at x + j * xstep */
-    int ld, cols;               /* row stride (a multiple of 8), row length */
 } MoeIn;
+
+/* Row i of an expert product's matrix: its bytes, its block scales and its scale. */
+typedef struct {
+    const char *w;
+    const uint8_t *bs;
+    float scale;
+} MoeRow;
+
+__device__ __forceinline__ MoeRow moe_row(const GMat &W, size_t i) {
+    int q = W.fmt == DT_FP8 || W.fmt == DT_NVFP4;
+    return MoeRow{(const char *)W.w + i * row_bytes(W.fmt, W.ld), W.bs ? W.bs + i * (W.ld / 16) : NULL, q ? W.rs[i] : 1.0f};
+}
 
 typedef struct {
     MoeIn routed;               /* every expert's up_proj rows of this rank, stacked, on z */
@@ -1706,30 +1852,31 @@ typedef struct {
  * (mp: m rounded up to 8, so each slot's part of h starts 16-byte aligned for moe_down_kernel).
  * A warp a row. The shared rows, first, ask L2 for their weights before the wait; the routed rows
  * learn their expert after it (the router may be the kernel just before). */
-template <int BF>
-__global__ void __launch_bounds__(32 * GEMV_WARPS, 16) moe_up_kernel(float *h, const int *idx, const float *wt, MoeUp u) {
-    constexpr int es = BF ? 2 : 4;
+template <int F>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(F)) moe_up_kernel(float *h, const int *idx, const float *wt,
+                                                                                    const __grid_constant__ MoeUp u) {
     int lane = threadIdx.x & 31, r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), S = u.S, m = u.m;
-    const char *row = r < S ? (const char *)u.shared.w + (size_t)r * u.shared.ld * es : NULL;
-    if (r < S) l2_row(row, (size_t)u.shared.cols * es, lane, 32);
+    const GMat *W = &u.shared.W;
+    MoeRow row = r < S ? moe_row(*W, r) : MoeRow{};
+    if (r < S) l2_row(row.w, row_bytes(W->fmt, W->cols), lane, 32);
     pdl_wait();
     if (r >= S + u.K * m) return;
     const float *in = u.shared.x;
-    int cols = u.shared.cols, at = u.K * pad8(m) + r;
-    float scale = 1.0f;
+    int at = u.K * pad8(m) + r;
+    float wj = 1.0f;
     if (r >= S) {
         int j = (r - S) / m, i = (r - S) - j * m;
-        row = (const char *)u.routed.w + ((size_t)idx[j] * m + i) * u.routed.ld * es;
+        W = &u.routed.W;
+        row = moe_row(*W, (size_t)idx[j] * m + i);
         in = u.routed.x;
-        cols = u.routed.cols;
         at = j * pad8(m) + i;
-        scale = wt[j];
-        l2_row(row, (size_t)cols * es, lane, 32);
+        wj = wt[j];
+        l2_row(row.w, row_bytes(W->fmt, W->cols), lane, 32);
     }
-    float acc = warp_sum(row_dot<BF>(row, in, cols, lane, 32));
+    float acc = warp_sum(row_dot_fmt<F>(W->fmt, row.w, row.bs, in, W->cols, lane, 32)) * row.scale;
     if (lane == 0) {
         acc = fmaxf(acc, 0.0f);
-        h[at] = scale * acc * acc;
+        h[at] = wj * acc * acc;
     }
 }
 
@@ -1742,40 +1889,40 @@ typedef struct {
     int nfixed;
 } MoeDown;
 
-/* out[i] = sum over the segments s of W_s[i] . x_s (the up kernel already weighed the routed inputs).
- * wpr warps a row, as gemv_kernel. The router ran two kernels back, so the weights a row reads are
- * known before the wait: its first segment is asked of L2 then; after it, each segment's lines are
- * asked for while the one before is dotted (one segment ahead, not the whole row: a wave's rows of
- * every chosen expert would not fit in L2). Blocks from warm_from on warm L2 for the next product,
- * as gemv_kernel's last wave does. */
-template <int BF>
-__global__ void __launch_bounds__(32 * GEMV_WARPS, 16) moe_down_kernel(float *out, int rows, const int *idx, MoeDown md, int wpr,
-                                                                      const void *warm, size_t warm_n, int warm_from) {
-    constexpr int es = BF ? 2 : 4;
-    __shared__ const char *base[MOE_SEGS];
+/* out[i] = sum over the segments s of scale_s W_s[i] . x_s (the up kernel already weighed the
+ * routed inputs). wpr warps a row, as gemv_kernel. The router ran two kernels back, so the weights a
+ * row reads are known before the wait: its first segment is asked of L2 then; after it, each
+ * segment's lines are asked for while the one before is dotted (one segment ahead, not the whole row:
+ * a wave's rows of every chosen expert would not fit in L2). Blocks from warm_from on warm L2 for the
+ * next product, as gemv_kernel's last wave does. */
+template <int F>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(F)) moe_down_kernel(float *out, int rows, const int *idx,
+                                                                                      const __grid_constant__ MoeDown md, int wpr,
+                                                                                      const void *warm, size_t warm_n, int warm_from) {
+    __shared__ const GMat *mat[MOE_SEGS];
     __shared__ const float *xs[MOE_SEGS];
-    __shared__ int lds[MOE_SEGS], cols[MOE_SEGS];
+    __shared__ size_t r0[MOE_SEGS];
     __shared__ float red[GEMV_WARPS];
     int n = md.k + md.nfixed;
     for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        MoeIn in = j < md.k ? md.routed : j == md.k ? md.fixed[0] : md.fixed[1];
-        size_t r0 = j < md.k ? (size_t)idx[j] * md.erows : 0;
-        base[j] = (const char *)in.w + r0 * in.ld * es;
-        xs[j] = j < md.k ? in.x + (size_t)j * md.xstep : in.x;
-        lds[j] = in.ld;
-        cols[j] = in.cols;
+        const MoeIn *in = j < md.k ? &md.routed : &md.fixed[j - md.k];
+        mat[j] = &in->W;
+        r0[j] = j < md.k ? (size_t)idx[j] * md.erows : 0;
+        xs[j] = j < md.k ? in->x + (size_t)j * md.xstep : in->x;
     }
     __syncthreads();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr, first = part * 32 + lane, st = 32 * wpr;
     int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr;
-    auto seg = [&](int j) { return base[j] + (size_t)row * lds[j] * es; };
-    if (row < rows && n) l2_row(seg(0), (size_t)cols[0] * es, first, st);
+    auto seg = [&](int j) { return moe_row(*mat[j], r0[j] + row); };
+    auto seg_bytes = [&](int j) { return row_bytes(mat[j]->fmt, mat[j]->cols); };
+    if (row < rows && n) l2_row(seg(0).w, seg_bytes(0), first, st);
     pdl_wait();
     float acc = 0;
     if (row < rows)
         for (int j = 0; j < n; j++) {
-            if (j + 1 < n) l2_row(seg(j + 1), (size_t)cols[j + 1] * es, first, st);
-            acc += row_dot<BF>(seg(j), xs[j], cols[j], first, st);
+            if (j + 1 < n) l2_row(seg(j + 1).w, seg_bytes(j + 1), first, st);
+            MoeRow s = seg(j);
+            acc += row_dot_fmt<F>(mat[j]->fmt, s.w, s.bs, xs[j], mat[j]->cols, first, st) * s.scale;
         }
     acc = warp_sum(acc);
     if ((int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
@@ -1841,6 +1988,14 @@ __global__ void moe_combine_kernel(float *out, int ldo, int add, const float *y,
     for (int k = 0; k < K; k++) acc += wt[(size_t)t * K + k] * y[(size_t)row_of[(size_t)t * K + k] * ldy + i];
     float *o = out + (size_t)t * ldo + i;
     *o = add ? *o + acc : acc;
+}
+
+/* A prompt's product with a quantized matrix runs on the tensor cores in bf16: rows r0 .. r0 +
+ * gridDim.x of W, dequantized (scale included), out[i][k] = bf16(W[r0 + i][k]). A block a row. */
+__global__ void dequant_kernel(bf16 *out, int ldo, const GMat W, int r0) {
+    pdl_wait();
+    for (int k = threadIdx.x; k < W.cols; k += blockDim.x)
+        out[(size_t)blockIdx.x * ldo + k] = __float2bfloat16(mat_elem(W, (size_t)r0 + blockIdx.x, k));
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -1964,7 +2119,7 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
 static int gemv_slots(int gpu) {
     int sms, per_sm;
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, gpu));
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<1, EPI_NONE>, 32 * GEMV_WARPS, 0));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<DT_BF16, EPI_NONE>, 32 * GEMV_WARPS, 0));
     return sms * per_sm;
 }
 
@@ -1979,7 +2134,7 @@ static int gemv_wpr(const GpuRank *g, const GMat *W) {
     int best = 1;
     double best_t = INFINITY;
     for (int wpr = 1; wpr <= GEMV_WARPS; wpr *= 2) {
-        if (wpr > 1 && (size_t)W->cols * (W->bf ? 2 : 4) / wpr < 8192) break;
+        if (wpr > 1 && (size_t)W->cols * 16 / fmt_per(W->fmt) / wpr < 8192) break;
         double waves = (double)cdiv(W->rows, GEMV_WARPS / wpr) / g->gemv_slots;
         double t = (1 + (ceil(waves) - waves) / (2 * waves)) * pow(1.08, log2(wpr));
         if (t < best_t) { best_t = t; best = wpr; }
@@ -1998,21 +2153,51 @@ static void blas_gemm(GpuRank *g, float *out, int ldo, const void *act, int lda,
                               ldo, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-/* A prompt's input to a product with W, in W's dtype: x itself (fp32); for bf16 (cuBLAS multiplies
- * bf16 by bf16) the norm's x16 if x is the norm's output, else x converted into act16. Its row
- * stride into *lda. */
+/* A prompt's input to a product with W: x itself for fp32 W; else bf16 (cuBLAS multiplies bf16 by
+ * bf16): the norm's x16 if x is the norm's output, else x converted into act16. Its row stride into
+ * *lda. */
 static const void *gemm_input(GpuRank *g, const float *x, int ldx, int T, const GMat *W, int *lda) {
     *lda = ldx;
-    if (!W->bf) return x;
+    if (!lowp(W)) return x;
     if (x == g->x) return g->x16;
     LAUNCH(T, 256, 0, g->stream, to_bf16_kernel<0>, g->act16, g->act_w, x, ldx, W->cols);
     *lda = g->act_w;
     return g->act16;
 }
 
-/* out = act W^T for T rows of act, which is in W's dtype already. */
+/* What deq holds: rows of a quantized matrix in bf16, dequantized for a prompt's products (64 MB:
+ * the largest matrix of the published models in at most a few passes, and no full copy of any). */
+enum { DEQ_BYTES = 64 << 20 };
+
+/* out[n][rows] = act[n][cols] W[r0 .. r0 + rows)^T (beta 1: added to out) for n rows of act, which
+ * gemm_input made (bf16, or fp32 for fp32 W): cuBLAS on the stored rows, or on a quantized
+ * matrix's rows dequantized into deq, DEQ_BYTES at a time (weight-only: W8A16, W4A16). */
+static void gemm_rows(GpuRank *g, float *out, int ldo, const void *act, int lda, int n, const GMat *W, int r0, int rows, float beta) {
+    if (W->fmt == DT_F32 || W->fmt == DT_BF16) {
+        blas_gemm(g, out, ldo, act, lda, n, (const char *)W->w + (size_t)r0 * row_bytes(W->fmt, W->ld), W->fmt == DT_BF16, rows,
+                  W->cols, W->ld, beta);
+        return;
+    }
+    int ldd = pad8(W->cols), step = std::max(1, (int)(DEQ_BYTES / 2 / ldd));
+    for (int i = 0; i < rows; i += step) {
+        int nr = std::min(step, rows - i);
+        LAUNCH(nr, 256, 0, g->stream, dequant_kernel, g->deq, ldd, *W, r0 + i);
+        blas_gemm(g, out + i, ldo, act, lda, n, g->deq, 1, nr, W->cols, ldd, beta);
+    }
+}
+
+/* out = act W^T for T rows of act (see gemm_rows). */
 static void gemm(GpuRank *g, float *out, int ldo, const void *act, int lda, int T, const GMat *W) {
-    blas_gemm(g, out, ldo, act, lda, T, W->w, W->bf, W->rows, W->cols, W->ld, 0.0f);
+    gemm_rows(g, out, ldo, act, lda, T, W, 0, W->rows, 0.0f);
+}
+
+/* The one-token product's kernel for a format and an epilogue. */
+template <int FMT> static void (*gemv_for(int epi))(const GemvArgs) {
+    return epi == EPI_RELU2 ? gemv_kernel<FMT, EPI_RELU2> : epi == EPI_GNORM ? gemv_kernel<FMT, EPI_GNORM> : gemv_kernel<FMT, EPI_NONE>;
+}
+static void (*gemv_for(int fmt, int epi))(const GemvArgs) {
+    return fmt == DT_F32 ? gemv_for<DT_F32>(epi) : fmt == DT_BF16 ? gemv_for<DT_BF16>(epi) : fmt == DT_FP8 ? gemv_for<DT_FP8>(epi)
+                                                                                                        : gemv_for<DT_NVFP4>(epi);
 }
 
 /* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2, or at T = 1
@@ -2022,13 +2207,9 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
                    const GroupScale *gs) {
     if (T == 1) {
         int wpr = gemv_wpr(g, W), blocks = cdiv(W->rows, GEMV_WARPS / wpr);
-        void (*kernels[2][3])(const GemvArgs) = {
-            {gemv_kernel<0, EPI_NONE>, gemv_kernel<0, EPI_RELU2>, gemv_kernel<0, EPI_GNORM>},
-            {gemv_kernel<1, EPI_NONE>, gemv_kernel<1, EPI_RELU2>, gemv_kernel<1, EPI_GNORM>}};
-        GemvArgs a = {.out = out, .W = W->w, .ld = W->ld, .rows = W->rows, .cols = W->cols, .x = x, .wpr = wpr,
-                      .warm = next ? next->w : NULL, .warm_n = warm_bytes(next),
+        GemvArgs a = {.out = out, .W = *W, .x = x, .wpr = wpr, .warm = next ? next->w : NULL, .warm_n = warm_bytes(next),
                       .warm_from = blocks > g->gemv_slots ? blocks - g->gemv_slots : 0, .gs = gs ? *gs : GroupScale{NULL, 0, 1, 0.0f}};
-        LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, kernels[W->bf][epi], a);
+        LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, gemv_for(W->fmt, epi), a);
         return;
     }
     int lda;
@@ -2091,7 +2272,7 @@ static int gpu_replay(Rank *r, const int *tok, int T, int pos) {
 static void gpu_embed(Rank *r, const int *tok, int T) {
     (void)tok;  /* already on the device (gpu_begin), so a captured step reads the current token */
     GpuRank *g = gpu_rank(r);
-    LAUNCH(dim3(cdiv(r->c->hidden, 256), T), 256, 0, g->stream, embed_kernel, g->res, g->embed, g->embed_bf, g->tok, r->c->hidden);
+    LAUNCH(dim3(cdiv(r->c->hidden, 256), T), 256, 0, g->stream, embed_kernel, g->res, (const GMat)g->embed, (const int *)g->tok, r->c->hidden);
 }
 
 /* pend_sum = sum over ranks of pend_owed; the next NORM_ADD adds it. */
@@ -2154,8 +2335,8 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     if (T > 1) {
         LAUNCH(cdiv(cv, 128), 128, 0, g->stream, conv_state_kernel, L->conv_st, g->proj + di, in, T, cv);
     }
-    int gsize = di / s->groups, fold = gnorm_folds(T, s->m_heads, c->m_hdim, N, gsize);
-    if (T > 1 && L->in_proj.bf)   /* a prompt of a bf16 model: the chunked scan; fp32 models keep the exact one */
+    int gsize = di / s->groups, fold = gnorm_folds(T, s->m_heads, c->m_hdim, N, gsize, fmt_per(L->out.fmt));
+    if (T > 1 && lowp(&L->in_proj))   /* a prompt of a bf16 model: the chunked scan; fp32 models keep the exact one */
         ssd_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
                  s->groups, di);
     else
@@ -2163,7 +2344,7 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
                  s->groups, di, L->out.w, T == 1 ? warm_bytes(&L->out) : 0, fold ? L->gnorm : NULL, fold ? g->gss : NULL);
     GroupScale gs = {g->gss, s->m_heads / s->groups * scan_blocks(c->m_hdim, N), gsize, c->eps};
     dim3 gn_grid(T * s->groups), gn_block(gated_norm_threads(gsize));
-    if (T > 1 && L->out.bf) {   /* a bf16 prompt: the gated norm writes out_proj's bf16 input itself */
+    if (T > 1 && lowp(&L->out)) {   /* a bf16 prompt: the gated norm writes out_proj's bf16 input itself */
         LAUNCH(gn_grid, gn_block, 0, g->stream, gated_norm_kernel<bf16>, g->act16, g->act_w, g->y, g->proj, in, L->gnorm, di, gsize, c->eps);
         gemm(g, pend_out(r), H, g->act16, g->act_w, T, &L->out);
         return;
@@ -2202,7 +2383,7 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
     const Config *c = r->c;
     int H = c->hidden, qw = r->s.q * c->head_dim, w = qw + 2 * r->s.kv * c->head_dim;
     matmul(g, g->proj, w, g->x, H, T, &L->qkv, EPI_NONE, &L->o, NULL);
-    if (L->qkv.bf) attend(r, L, (bf16 *)L->k, (bf16 *)L->v, T, pos);
+    if (lowp(&L->qkv)) attend(r, L, (bf16 *)L->k, (bf16 *)L->v, T, pos);
     else attend(r, L, (float *)L->k, (float *)L->v, T, pos);
     matmul(g, pend_out(r), H, g->y, qw, T, &L->o, EPI_NONE, first_product(g, c, l + 1), NULL);
 }
@@ -2211,7 +2392,7 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
  * wave warms L2 for `next`. A bf16 prompt applies relu^2 as it converts up's output for down. */
 static void relu2_mlp(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *up, const GMat *down,
                       const GMat *next) {
-    if (T > 1 && up->bf) {
+    if (T > 1 && lowp(up)) {
         int lda;
         const void *a = gemm_input(g, x, ldx, T, up, &lda);
         gemm(g, g->proj, up->rows, a, lda, T, up);
@@ -2257,14 +2438,20 @@ static void moe_choose(GpuRank *g, const GLayer *L, const MoeShape *ms, MoeRoute
            (const float *)L->gate_bias, rt);
 }
 
-/* Launches moe_down_kernel for `rows` output rows (warps a row as gemv_wpr picks for the whole
- * width); the last wave warms L2 for `next`. */
-static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, int bf, const GMat *next) {
-    GMat shape = {NULL, bf, rows, md.k * md.routed.cols, 0};
-    for (int j = 0; j < md.nfixed; j++) shape.cols += md.fixed[j].cols;
+/* Launches moe_down_kernel for `rows` output rows (warps a row as gemv_wpr picks for the bytes of the
+ * whole width); the last wave warms L2 for `next`. */
+static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, const GMat *next) {
+    size_t bytes = md.k ? md.k * row_bytes(md.routed.W.fmt, md.routed.W.cols) : 0;
+    for (int j = 0; j < md.nfixed; j++) bytes += row_bytes(md.fixed[j].W.fmt, md.fixed[j].W.cols);
+    GMat shape = {NULL, DT_BF16, rows, (int)(bytes / 2), 0, NULL, NULL};
     int wpr = gemv_wpr(g, &shape), blocks = cdiv(rows, GEMV_WARPS / wpr);
-    LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, bf ? moe_down_kernel<1> : moe_down_kernel<0>, out, rows, (const int *)g->moe_idx,
-           md, wpr, next ? next->w : NULL, warm_bytes(next), blocks > g->gemv_slots ? blocks - g->gemv_slots : 0);
+    int f = fmt_class({md.k ? md.routed.W.fmt : md.fixed[0].W.fmt, md.nfixed ? md.fixed[0].W.fmt : md.routed.W.fmt,
+                       md.nfixed > 1 ? md.fixed[1].W.fmt : md.fixed[0].W.fmt});
+    void (*kernel)(float *, int, const int *, const MoeDown, int, const void *, size_t, int) =
+        f == DT_F32 ? moe_down_kernel<DT_F32> : f == DT_BF16 ? moe_down_kernel<DT_BF16> : f == DT_FP8 ? moe_down_kernel<DT_FP8>
+        : f == DT_NVFP4 ? moe_down_kernel<DT_NVFP4> : moe_down_kernel<FMT_ANY>;
+    LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, kernel, out, rows, (const int *)g->moe_idx, md, wpr,
+           next ? (const void *)next->w : NULL, warm_bytes(next), blocks > g->gemv_slots ? blocks - g->gemv_slots : 0);
 }
 
 /* out = the layer's partial sums for T tokens of x, given the choice in moe_idx, moe_w:
@@ -2276,23 +2463,27 @@ static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, int bf
  * grouped by expert on the GPU, then one cuBLAS product per expert with tokens. cuBLAS takes its
  * sizes from the host, so the group sizes are copied back: one sync per layer, in prefill only. */
 static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *out, int T, const GMat *next) {
-    int bf = L->eup.bf, mp = pad8(ms->m), K = ms->K, m = ms->m, d = ms->d;
+    int bf = lowp(&L->eup), mp = pad8(ms->m), K = ms->K, m = ms->m, d = ms->d;
     const float *z = g->x;
     if (ms->lat) {
         matmul(g, g->moe_z, ms->lat, g->x, ms->H, T, &L->lat_in, EPI_NONE, NULL, NULL);
         z = g->moe_z;
     }
     if (T == 1) {
-        MoeUp up = {.routed = {L->eup.w, z, L->eup.ld, d}, .m = m, .K = K, .shared = {L->sup.w, g->x, L->sup.ld, ms->H}, .S = ms->S};
-        LAUNCH(cdiv(ms->S + K * m, GEMV_WARPS), 32 * GEMV_WARPS, 0, g->stream, bf ? moe_up_kernel<1> : moe_up_kernel<0>, g->moe_h,
-               (const int *)g->moe_idx, (const float *)g->moe_w, up);
-        MoeIn routed = {L->edown.w, g->moe_h, L->edown.ld, m}, shared = {L->sdown.w, g->moe_h + (size_t)K * mp, L->sdown.ld, ms->S};
+        MoeUp up = {.routed = {L->eup, z}, .m = m, .K = K, .shared = {L->sup, g->x}, .S = ms->S};
+        int f = fmt_class({L->eup.fmt, L->sup.fmt});
+        void (*kernel)(float *, const int *, const float *, const MoeUp) =
+            f == DT_F32 ? moe_up_kernel<DT_F32> : f == DT_BF16 ? moe_up_kernel<DT_BF16> : f == DT_FP8 ? moe_up_kernel<DT_FP8>
+            : f == DT_NVFP4 ? moe_up_kernel<DT_NVFP4> : moe_up_kernel<FMT_ANY>;
+        LAUNCH(cdiv(ms->S + K * m, GEMV_WARPS), 32 * GEMV_WARPS, 0, g->stream, kernel, g->moe_h, (const int *)g->moe_idx,
+               (const float *)g->moe_w, up);
+        MoeIn routed = {L->edown, g->moe_h}, shared = {L->sdown, g->moe_h + (size_t)K * mp};
         if (ms->lat) {
-            MoeIn fc2 = {L->lat_out.w, g->moe_ylat, L->lat_out.ld, ms->lat};
-            moe_down(g, g->moe_ylat, ms->lat, MoeDown{routed, K, ms->lat, mp, {}, 0}, bf, NULL);
-            moe_down(g, out, ms->H, MoeDown{{}, 0, 0, 0, {fc2, shared}, 2}, bf, next);
+            MoeIn fc2 = {L->lat_out, g->moe_ylat};
+            moe_down(g, g->moe_ylat, ms->lat, MoeDown{routed, K, ms->lat, mp, {}, 0}, NULL);
+            moe_down(g, out, ms->H, MoeDown{{}, 0, 0, 0, {fc2, shared}, 2}, next);
         } else {
-            moe_down(g, out, ms->H, MoeDown{routed, K, ms->H, mp, {shared}, 1}, bf, next);
+            moe_down(g, out, ms->H, MoeDown{routed, K, ms->H, mp, {shared}, 1}, next);
         }
         return;
     }
@@ -2307,8 +2498,8 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
     const int *off = g->host_off;
     for (int e = 0; e < ms->E; e++)
         if (off[e + 1] > off[e])
-            blas_gemm(g, g->moe_h + (size_t)off[e] * m, m, (const char *)g->moe_act + (size_t)off[e] * la * es, la, off[e + 1] - off[e],
-                     (const char *)L->eup.w + (size_t)e * m * L->eup.ld * es, bf, m, d, L->eup.ld, 0.0f);
+            gemm_rows(g, g->moe_h + (size_t)off[e] * m, m, (const char *)g->moe_act + (size_t)off[e] * la * es, la, off[e + 1] - off[e],
+                      &L->eup, e * m, m, 0.0f);
     const void *h = g->moe_h;   /* relu^2: in place (fp32), or as the rows are converted for down (bf16) */
     int ldh = m;
     if (bf) {
@@ -2320,14 +2511,14 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
     }
     for (int e = 0; e < ms->E; e++)
         if (off[e + 1] > off[e])
-            blas_gemm(g, g->moe_y + (size_t)off[e] * d, d, (const char *)h + (size_t)off[e] * ldh * es, ldh, off[e + 1] - off[e],
-                     (const char *)L->edown.w + (size_t)e * d * L->edown.ld * es, bf, d, m, L->edown.ld, 0.0f);
+            gemm_rows(g, g->moe_y + (size_t)off[e] * d, d, (const char *)h + (size_t)off[e] * ldh * es, ldh, off[e + 1] - off[e],
+                      &L->edown, e * d, d, 0.0f);
     LAUNCH(dim3(cdiv(d, 256), T), 256, 0, g->stream, moe_combine_kernel, ms->lat ? g->moe_ylat : out, d, ms->lat ? 0 : 1,
            (const float *)g->moe_y, d, (const int *)g->moe_row, (const float *)g->moe_w, K, d);
     if (ms->lat) {   /* out += fc2(routed latent sum) */
         int lda;
         const void *a = gemm_input(g, g->moe_ylat, ms->lat, T, &L->lat_out, &lda);
-        blas_gemm(g, out, ms->H, a, lda, T, L->lat_out.w, bf, ms->H, ms->lat, L->lat_out.ld, 1.0f);
+        gemm_rows(g, out, ms->H, a, lda, T, &L->lat_out, 0, ms->H, 1.0f);
     }
 }
 
@@ -2483,39 +2674,67 @@ static void symmetric_window_free(ncclComm_t comm, SymWindow *s) {
 
 static uint64_t synth_seed = 0x5eed;
 
-/* Uploads host views, stacked by rows, into one device matrix [sum rows, cols] with a padded row
- * stride; bf16 stays bf16, f32 and f16 become f32. Views without data are synthetic: drawn here. */
+/* W's format on the device: as stored, but f16 becomes fp32. */
+static int gpu_fmt(const Mat *W) { return W->dtype == DT_F16 ? DT_F32 : W->dtype; }
+
+/* Uploads host views, stacked by rows, into one device matrix [sum rows, cols] with 16-byte rows, in
+ * the format they were stored in (gpu_fmt): NVFP4 with its block scales, a quantized matrix with each
+ * part's per-tensor scale for the part's rows. Views without data are synthetic: drawn here. */
 static GMat upload_mat(const Mat *parts, int n_parts) {
     GMat m = {0};
-    m.bf = parts[0].dtype == DT_BF16;
+    m.fmt = gpu_fmt(&parts[0]);
     m.cols = parts[0].cols;
-    m.ld = pad8(m.cols);
-    for (int k = 0; k < n_parts; k++) m.rows += parts[k].rows;
-    size_t es = m.bf ? 2 : 4, bytes = gmat_bytes(&m);
+    m.ld = cdiv(m.cols, fmt_per(m.fmt)) * fmt_per(m.fmt);
+    for (int k = 0; k < n_parts; k++) {
+        if (gpu_fmt(&parts[k]) != m.fmt) {
+            fprintf(stderr, "nemoh: the CUDA backend stacks q, k and v in one matrix, which needs them in one format; use --cpu\n");
+            exit(1);
+        }
+        m.rows += parts[k].rows;
+    }
+    size_t rb = row_bytes(m.fmt, m.ld), bytes = gmat_bytes(&m), nb = (size_t)m.ld / 16;
     CUDA_CHECK(cudaMalloc(&m.w, bytes));
     CUDA_CHECK(cudaMemset(m.w, 0, bytes));
-    if (!parts[0].data) {
-        LAUNCH(1024, 256, 0, 0, fill_kernel, m.w, m.bf, bytes / es, sqrtf(3.0f / m.cols), synth_seed++);  /* pad included: harmless */
+    if (m.fmt == DT_NVFP4) {
+        CUDA_CHECK(cudaMalloc(&m.bs, (size_t)m.rows * nb));
+        CUDA_CHECK(cudaMemset(m.bs, 0, (size_t)m.rows * nb));
+    }
+    if (m.fmt == DT_FP8 || m.fmt == DT_NVFP4) {
+        std::vector<float> rs;
+        for (int k = 0; k < n_parts; k++) rs.insert(rs.end(), (size_t)parts[k].rows, parts[k].scale);
+        CUDA_CHECK(cudaMalloc(&m.rs, rs.size() * sizeof(float)));
+        CUDA_CHECK(cudaMemcpy(m.rs, rs.data(), rs.size() * sizeof(float), cudaMemcpyHostToDevice));
+    }
+    if (!parts[0].data) {   /* pad included: harmless; NVFP4 blocks of scale 1 (e4m3 0x38) */
+        size_t n = m.fmt == DT_F32 ? bytes / 4 : m.fmt == DT_BF16 ? bytes / 2 : bytes;
+        LAUNCH(1024, 256, 0, 0, fill_kernel, m.w, m.fmt, n, sqrtf(3.0f / m.cols), synth_seed++);
+        if (m.bs) CUDA_CHECK(cudaMemset(m.bs, 0x38, (size_t)m.rows * nb));
         return m;
     }
-    char *row = (char *)malloc((size_t)m.ld * es);
+    std::vector<float> row(m.cols);
     size_t r0 = 0;
     for (int k = 0; k < n_parts; k++) {
         const Mat *p = &parts[k];
-        if (m.bf && p->ld == (size_t)m.ld) {  /* dense bf16 rows: one copy straight from the mapping */
-            CUDA_CHECK(cudaMemcpy((char *)m.w + r0 * m.ld * es, p->data, (size_t)p->rows * m.ld * es, cudaMemcpyHostToDevice));
-            r0 += p->rows;
-            continue;
+        size_t pitch = p->dtype == DT_NVFP4 ? p->ld / 2 : p->ld * (p->dtype == DT_F32 ? 4 : p->dtype == DT_FP8 ? 1 : 2);
+        if (p->dtype == DT_F16) {   /* widened a row at a time */
+            for (int i = 0; i < p->rows; i++) {
+                for (int j = 0; j < m.cols; j++) row[j] = load_f32((const char *)p->data + i * pitch, DT_F16, (size_t)j);
+                CUDA_CHECK(cudaMemcpy((char *)m.w + (r0 + i) * rb, row.data(), (size_t)m.cols * 4, cudaMemcpyHostToDevice));
+            }
+        } else {   /* as stored: one strided copy from the mapping */
+            CUDA_CHECK(cudaMemcpy2D((char *)m.w + r0 * rb, rb, p->data, pitch, (size_t)m.cols * 16 / fmt_per(m.fmt), p->rows,
+                                    cudaMemcpyHostToDevice));
+            if (m.bs) CUDA_CHECK(cudaMemcpy2D(m.bs + r0 * nb, nb, p->bs, p->bld, (size_t)m.cols / 16, p->rows, cudaMemcpyHostToDevice));
         }
-        for (int i = 0; i < p->rows; i++, r0++) {
-            const char *src = (const char *)p->data + (size_t)i * p->ld * (p->dtype == DT_F32 ? 4 : 2);
-            if (m.bf) memcpy(row, src, (size_t)m.cols * 2);
-            else for (int j = 0; j < m.cols; j++) ((float *)row)[j] = load_f32(src, p->dtype, (size_t)j);
-            CUDA_CHECK(cudaMemcpy((char *)m.w + r0 * m.ld * es, row, (size_t)m.cols * es, cudaMemcpyHostToDevice));
-        }
+        r0 += p->rows;
     }
-    free(row);
     return m;
+}
+
+static void free_mat(GMat *m) {
+    CUDA_CHECK(cudaFree(m->w));
+    CUDA_CHECK(cudaFree(m->bs));
+    CUDA_CHECK(cudaFree(m->rs));
 }
 
 static float *upload_f32(const float *h, size_t n) {
@@ -2532,30 +2751,39 @@ static float *zeros(size_t n) {
     return d;
 }
 
-static size_t mat_bytes(const Mat *m, int rows) { return (size_t)rows * pad8(m->cols) * (m->dtype == DT_BF16 ? 2 : 4); }
+/* Device bytes of `rows` rows of m as upload_mat stores them (scales included); *quant |= whether
+ * m is quantized. */
+static size_t mat_bytes(const Mat *m, int rows, int *quant) {
+    GMat d = {NULL, gpu_fmt(m), rows, m->cols, cdiv(m->cols, fmt_per(gpu_fmt(m))) * fmt_per(gpu_fmt(m)), NULL, NULL};
+    int q = d.fmt == DT_FP8 || d.fmt == DT_NVFP4;
+    *quant |= q;
+    return gmat_bytes(&d) + (d.fmt == DT_NVFP4 ? (size_t)rows * d.ld / 16 : 0) + (q ? (size_t)rows * 4 : 0);
+}
 
-/* Device bytes this rank needs, counted before anything large is allocated. */
-static size_t bytes_needed(const Rank *r, const GpuRank *g) {
+/* Device bytes this rank needs, counted before anything large is allocated; *quant: whether some
+ * matrix is quantized (a prompt then needs deq). */
+static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
     const Config *c = r->c;
     const Shard *s = &r->s;
     const Weights *w = &r->w;
     size_t H = c->hidden, T = r->t_max, f = sizeof(float), b = 0;
-    b += mat_bytes(&w->embed, c->vocab) + mat_bytes(&w->lm_head, s->vocab) + H * f;
+    b += mat_bytes(&w->embed, c->vocab, quant) + mat_bytes(&w->lm_head, s->vocab, quant) + H * f;
     for (int l = 0; l < c->n_layers; l++) {
         const Layer *L = &w->layer[l];
         b += H * f;
         if (L->kind == K_MAMBA)
-            b += mat_bytes(&L->in_proj[0], s->in_proj) + mat_bytes(&L->out, (int)H) +
+            b += mat_bytes(&L->in_proj[0], s->in_proj, quant) + mat_bytes(&L->out, (int)H, quant) +
                  ((size_t)s->conv * 8 + 3 * s->m_heads + 2 * s->d_inner + (size_t)s->d_inner * c->d_state) * f;
         else if (L->kind == K_ATTN)
-            b += mat_bytes(&L->wq, (s->q + 2 * s->kv) * c->head_dim) + mat_bytes(&L->wo, (int)H) +
-                 2 * (size_t)r->ctx * s->kv * c->head_dim * (L->wq.dtype == DT_BF16 ? 2 : 4);   /* the cache: see GLayer */
+            b += mat_bytes(&L->wq, (s->q + 2 * s->kv) * c->head_dim, quant) + mat_bytes(&L->wo, (int)H, quant) +
+                 2 * (size_t)r->ctx * s->kv * c->head_dim * (gpu_fmt(&L->wq) == DT_F32 ? 4 : 2);   /* the cache: see GLayer */
         else if (L->kind == K_MLP)
-            b += mat_bytes(&L->up, s->mlp) + mat_bytes(&L->down, (int)H);
+            b += mat_bytes(&L->up, s->mlp, quant) + mat_bytes(&L->down, (int)H, quant);
         else
-            b += (size_t)c->n_experts * (H + 1) * f + mat_bytes(&L->eup[0], c->n_experts * s->moe) +
-                 mat_bytes(&L->edown[0], c->n_experts * (c->latent ? c->latent : (int)H)) + mat_bytes(&L->sup, s->shared) +
-                 mat_bytes(&L->sdown, (int)H) + (c->latent ? mat_bytes(&L->lat_in, c->latent) + mat_bytes(&L->lat_out, (int)H) : 0);
+            b += (size_t)c->n_experts * (H + 1) * f + mat_bytes(&L->eup[0], c->n_experts * s->moe, quant) +
+                 mat_bytes(&L->edown[0], c->n_experts * (c->latent ? c->latent : (int)H), quant) + mat_bytes(&L->sup, s->shared, quant) +
+                 mat_bytes(&L->sdown, (int)H, quant) +
+                 (c->latent ? mat_bytes(&L->lat_in, c->latent, quant) + mat_bytes(&L->lat_out, (int)H, quant) : 0);
     }
     if (has_kind(c, K_MOE)) {   /* moe_alloc's buffers */
         size_t TK = T * c->top_k, d = c->latent ? c->latent : H, la = pad8(std::max((int)d, s->moe));
@@ -2563,7 +2791,7 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g) {
     }
     b += T * H * (f * 5 + 2) + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
     b += (size_t)gpu_shared((Rank *)r)->logit_rows * (c->vocab + s->vocab) * f + (64u << 20);  /* + cuBLAS workspace */
-    return b;
+    return b + (*quant ? DEQ_BYTES : 0);
 }
 
 /* The MoE buffers for steps of up to t tokens (gpu_init, and the kernel tests). */
@@ -2611,7 +2839,8 @@ static void gpu_init(Rank *r) {
     g->gemv_slots = gemv_slots(r->gpu);
     CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SAMPLE_CAND * sizeof(float)));
 
-    size_t free_b, total_b, need = bytes_needed(r, g);
+    int quant = 0;
+    size_t free_b, total_b, need = bytes_needed(r, g, &quant);
     CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     if (need > free_b) {
         fprintf(stderr, "nemoh: GPU %d: the model needs %.2f GB on this rank, %.2f GB are free (try a larger --tp, a "
@@ -2627,9 +2856,8 @@ static void gpu_init(Rank *r) {
     CUBLAS_CHECK(cublasSetWorkspace(g->blas, g->blas_ws, 32u << 20));
 
     /* weights */
-    GMat emb = upload_mat(&w->embed, 1);
-    g->embed = (bf16 *)emb.w;
-    g->embed_bf = emb.bf;
+    g->embed = upload_mat(&w->embed, 1);
+    if (quant) CUDA_CHECK(cudaMalloc(&g->deq, DEQ_BYTES));
     g->lm_head = upload_mat(&w->lm_head, 1);
     g->norm_f = upload_f32(w->norm_f, H);
     for (int l = 0; l < c->n_layers; l++) {
@@ -2651,7 +2879,7 @@ static void gpu_init(Rank *r) {
             Mat qkv[3] = {L->wq, L->wk, L->wv};
             gl->qkv = upload_mat(qkv, 3);
             gl->o = upload_mat(&L->wo, 1);
-            size_t n = (size_t)r->ctx * s->kv * hd, room = gl->qkv.bf ? (n + 1) / 2 : n;   /* in floats: bf16 takes half */
+            size_t n = (size_t)r->ctx * s->kv * hd, room = lowp(&gl->qkv) ? (n + 1) / 2 : n;   /* in floats: bf16 takes half */
             gl->k = zeros(room);
             gl->v = zeros(room);
         } else if (L->kind == K_MLP) {
@@ -2668,10 +2896,10 @@ static void gpu_init(Rank *r) {
                 gl->lat_in = upload_mat(&L->lat_in, 1);
                 gl->lat_out = upload_mat(&L->lat_out, 1);
             }
-            int bf = gl->eup.bf;   /* the expert kernels take one dtype for all the matrices they read */
-            if (gl->edown.bf != bf || gl->sup.bf != bf || gl->sdown.bf != bf || (c->latent && gl->lat_out.bf != bf)) {
-                fprintf(stderr, "nemoh: layer %d: the CUDA backend needs the experts' matrices (and fc2_latent_proj) in one "
-                                "dtype; use --cpu\n", l);
+            int lp = lowp(&gl->eup);   /* a prompt's expert products take one activation type (bf16, or fp32) */
+            if (lowp(&gl->edown) != lp || lowp(&gl->sup) != lp || lowp(&gl->sdown) != lp || (c->latent && lowp(&gl->lat_out) != lp)) {
+                fprintf(stderr, "nemoh: layer %d: the CUDA backend needs the experts' matrices (and fc2_latent_proj) all fp32 or "
+                                "none; use --cpu\n", l);
                 exit(1);
             }
         }
@@ -2716,12 +2944,16 @@ static void gpu_free(Rank *r) {
     symmetric_window_free(gpu_shared(r)->comm[r->s.rank], &g->pend);
     for (int l = 0; l < c->n_layers; l++) {
         GLayer *gl = &g->L[l];
-        void *ptrs[] = {gl->norm, gl->in_proj.w, gl->conv_w, gl->conv_b, gl->A, gl->D, gl->dt_bias, gl->gnorm, gl->out.w, gl->qkv.w,
-                        gl->o.w, gl->up.w, gl->down.w, gl->conv_st, gl->ssm, gl->k, gl->v, gl->gate, gl->gate_bias, gl->eup.w,
-                        gl->edown.w, gl->sup.w, gl->sdown.w, gl->lat_in.w, gl->lat_out.w};
+        void *ptrs[] = {gl->norm, gl->conv_w, gl->conv_b, gl->A, gl->D, gl->dt_bias, gl->gnorm, gl->conv_st, gl->ssm, gl->k, gl->v,
+                        gl->gate, gl->gate_bias};
         for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
+        for (GMat *m : {&gl->in_proj, &gl->out, &gl->qkv, &gl->o, &gl->up, &gl->down, &gl->eup, &gl->edown, &gl->sup, &gl->sdown,
+                        &gl->lat_in, &gl->lat_out})
+            free_mat(m);
     }
-    void *ptrs[] = {g->embed, g->lm_head.w, g->norm_f, g->res, g->x, g->x16, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part,
+    free_mat(&g->embed);
+    free_mat(&g->lm_head);
+    void *ptrs[] = {g->deq, g->norm_f, g->res, g->x, g->x16, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part,
                     g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));

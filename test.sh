@@ -78,7 +78,7 @@ s3=$(./nemoh --cpu -m $d --ids "$(cat $d/prompt.txt)" -n 40 -t 1.0 -p 0.9 -s 8 2
 # the --tp 1 run of the fixture checks above. On MoE fixtures every rank holds a slice of every expert
 # and the ranks check that they chose the same experts (a disagreement stops nemoh).
 for c in tiny-bf16:2 tiny-f32:2 tiny-f32:4 tiny-moe-bf16:2 tiny-moe-bf16:4 tiny-moe-hf-f16:2 tiny-moe-hf-f16:4 \
-         tiny-moe-latent-f32:2 tiny-moe-latent-f32:4; do
+         tiny-moe-latent-f32:2 tiny-moe-latent-f32:4 tiny-q-fp8:2 tiny-q-nvfp4-moe:2 tiny-q-mixed-latent:2 tiny-q-w4a16:2; do
     f=${c%:*} n=${c#*:} d=tests/fixtures/${c%:*}
     got=$(fixture_run ./nemoh "$d" "$T/$f-tp$n.bin" --cpu --tp $n)
     same "$f --tp $n: greedy tokens identical" "$got" "$(cat "$d/greedy.txt")"
@@ -99,6 +99,17 @@ for san in "" "-fsanitize=address,undefined -fno-sanitize-recover=all"; do
         pass "$tag MoE router against a float64 reference ($(tail -1 <<< "$out"))"
     else fail "$tag MoE router against a float64 reference" "$(grep -v '^ok' <<< "$out" | tail -20)"; fi
 done
+
+# ---- quantized checkpoints (ModelOpt FP8, NVFP4, MIXED_PRECISION): nemoh's dequantization of every
+# quantized matrix against the fixture generator's own (dequant.safetensors), bit for bit ----
+for san in "" "-fsanitize=address,undefined -fno-sanitize-recover=all"; do
+    [ -n "$san" ] && ! full && continue
+    tag=$([ -z "$san" ] && echo cpu || echo asan)
+    if out=$(cc -std=c11 -O1 -g $san -o "$T/test_quant" tests/test_quant.c -lm -lpthread 2>&1 && "$T/test_quant" tests/fixtures/tiny-q-* 2>&1); then
+        pass "$tag quantized matrices dequantized as the generator does, bit for bit ($(tail -1 <<< "$out"))"
+    else fail "$tag quantized matrices dequantized as the generator does, bit for bit" "$(grep -v '^ok' <<< "$out" | tail -20)"; fi
+done
+refuse "bad input: a --tp that cuts an NVFP4 block" "cuts a 16-element block" ./nemoh --cpu -m tests/fixtures/tiny-q-mixed-latent --ids "1 2" -n 1 --tp 4
 
 # ---- MoE checkpoints: NVIDIA's mtp.* heads are named once as unused, not refused ----
 n=$(grep -c 'mtp\.\* tensors (multi-token prediction heads) are not used' "$T/cpu tiny-moe-bf16.bin.err")

@@ -69,6 +69,50 @@ static void expect_int(const char *what, int got, int want) {
     ok ? n_pass++ : n_fail++;
 }
 
+/* ---- matrices stored in each format (Mat in nemoh.h), with the values nemoh.h's mat_at gives them ---- */
+static const char *fmt_name(int fmt) { return fmt == DT_F32 ? "fp32" : fmt == DT_BF16 ? "bf16" : fmt == DT_FP8 ? "fp8" : "nvfp4"; }
+
+/* A random [rows, ld] matrix stored in format fmt as a checkpoint holds it, elements of about
+ * uniform(-sd, sd): fp32, bf16 (rounded), FP8 (random codes, not NaN, times a scale), NVFP4 (random
+ * codes in blocks of random scales 2^-3 .. 2^3, times a scale); v: its values, as mat_at reads them. */
+typedef struct {
+    std::vector<uint8_t> b;     /* storage: [rows, ld] elements of fmt */
+    std::vector<uint8_t> bs;    /* NVFP4: [rows, ld / 16] E4M3 block scales */
+    std::vector<float> v;       /* [rows, ld] the values */
+    int fmt, rows, ld;
+    float scale;
+} HostMat;
+
+/* The view [r0, r0 + rows) x [c0, c0 + cols) of h (an NVFP4 c0 a multiple of 16). */
+static Mat view(const HostMat &h, int r0, int rows, int c0, int cols) {
+    size_t at = (size_t)r0 * h.ld + c0, es = h.fmt == DT_F32 ? 4 : h.fmt == DT_BF16 ? 2 : 1;
+    Mat m = {h.b.data() + (h.fmt == DT_NVFP4 ? at / 2 : at * es), h.fmt, rows, cols, (size_t)h.ld, NULL, 0, h.scale};
+    if (h.fmt == DT_NVFP4) { m.bld = (size_t)h.ld / 16; m.bs = h.bs.data() + (size_t)r0 * m.bld + c0 / 16; }
+    return m;
+}
+
+static HostMat host_mat(int fmt, int rows, int ld, float sd) {
+    HostMat h = {std::vector<uint8_t>((size_t)rows * ld * (fmt == DT_F32 ? 4 : fmt == DT_BF16 ? 2 : 1)),
+                 std::vector<uint8_t>((size_t)rows * ld / 16), std::vector<float>((size_t)rows * ld), fmt, rows, ld, 1.0f};
+    for (size_t i = 0; i < h.v.size(); i++) {
+        float v = uni() * sd;
+        __nv_bfloat16 b = __float2bfloat16(v);
+        if (fmt == DT_F32) memcpy(&h.b[4 * i], &v, 4);
+        if (fmt == DT_BF16) memcpy(&h.b[2 * i], &b, 2);
+        if (fmt == DT_FP8) { h.b[i] = (uint8_t)(rng() & 0xFF); if ((h.b[i] & 0x7F) == 0x7F) h.b[i] ^= 1; }
+    }
+    if (fmt == DT_NVFP4) {
+        for (size_t i = 0; i < h.b.size() / 2; i++) h.b[i] = (uint8_t)(rng() & 0xFF);
+        for (auto &s : h.bs) s = (uint8_t)(0x20 + rng() % 0x31);   /* e4m3 2^-3 .. 2^3 */
+    }
+    if (fmt == DT_FP8) h.scale = sd / 60.0f;      /* random codes reach 448 */
+    if (fmt == DT_NVFP4) h.scale = sd / 6.0f;
+    Mat m = view(h, 0, rows, 0, ld);
+    for (int i = 0; i < rows; i++)
+        for (int k = 0; k < ld; k++) h.v[(size_t)i * ld + k] = mat_at(&m, (size_t)i, (size_t)k);
+    return h;
+}
+
 static GpuRank make_rank(size_t act) {
     GpuRank g;
     memset(&g, 0, sizeof g);
@@ -77,30 +121,26 @@ static GpuRank make_rank(size_t act) {
     CUBLAS_CHECK(cublasCreate(&g.blas));
     CUBLAS_CHECK(cublasSetStream(g.blas, g.stream));
     CUDA_CHECK(cudaMalloc(&g.act16, act * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&g.deq, DEQ_BYTES));
     return g;
 }
 
 static void free_rank(GpuRank *g) {
     CUDA_CHECK(cudaFree(g->act16));
+    CUDA_CHECK(cudaFree(g->deq));
     CUBLAS_CHECK(cublasDestroy(g->blas));
     CUDA_CHECK(cudaStreamDestroy(g->stream));
 }
 
-/* ---- matrix products: GEMV (one token) and cuBLAS (a chunk), bf16 and fp32 weights, stacked uploads ---- */
-static void test_matmul(int bf, int rows, int cols, int T, int epi) {
-    /* two stacked parts, as in_proj's segments are uploaded, each a strided view of a wider tensor */
-    int r1 = rows / 3 + 1, r2 = rows - r1, ld = cols + 5;
-    std::vector<float> w = rand_vec((size_t)rows * ld, 1.0f / sqrtf((float)cols));
-    std::vector<uint16_t> wb(w.size());
-    for (size_t i = 0; i < w.size(); i++) {
-        __nv_bfloat16 b = __float2bfloat16(w[i]);
-        memcpy(&wb[i], &b, 2);
-        if (bf) w[i] = __bfloat162float(b);
-    }
-    const void *base = bf ? (const void *)wb.data() : (const void *)w.data();
-    size_t es = bf ? 2 : 4;
-    Mat parts[2] = {{base, bf ? DT_BF16 : DT_F32, r1, cols, (size_t)ld},
-                    {(const char *)base + (size_t)r1 * ld * es, bf ? DT_BF16 : DT_F32, r2, cols, (size_t)ld}};
+/* ---- matrix products: GEMV (one token) and cuBLAS (a chunk; a quantized matrix dequantized first),
+ * in every format, stacked uploads ---- */
+static void test_matmul(int fmt, int rows, int cols, int T, int epi) {
+    /* two stacked parts, as q, k and v are uploaded, each a strided view of a wider tensor, the second
+       with a scale of its own */
+    int r1 = rows / 3 + 1, r2 = rows - r1, ld = cols + (fmt == DT_NVFP4 ? 16 : 5);
+    HostMat h = host_mat(fmt, rows, ld, 1.0f / sqrtf((float)cols));
+    Mat parts[2] = {view(h, 0, r1, 0, cols), view(h, r1, r2, 0, cols)};
+    parts[1].scale *= 1.5f;
     GMat W = upload_mat(parts, 2);
     std::vector<float> x = rand_vec((size_t)T * cols);
     GpuRank g = make_rank((size_t)T * pad8(cols));
@@ -113,18 +153,18 @@ static void test_matmul(int bf, int rows, int cols, int T, int epi) {
         for (int i = 0; i < rows; i++) {
             double s = 0;
             for (int k = 0; k < cols; k++) {
-                float xv = x[(size_t)t * cols + k];
-                if (bf && T > 1) xv = bf16_round(xv);  /* cuBLAS path: bf16 activations */
-                s += (double)w[(size_t)i * ld + k] * xv;
+                float xv = x[(size_t)t * cols + k], wv = mat_at(&parts[i >= r1], (size_t)(i - (i >= r1) * r1), (size_t)k);
+                if (fmt != DT_F32 && T > 1) { xv = bf16_round(xv); wv = bf16_round(wv); }  /* cuBLAS path: bf16 operands */
+                s += (double)wv * xv;
             }
             if (epi) s = s > 0 ? s * s : 0;
             ref[(size_t)t * rows + i] = s;
         }
     char what[128];
-    snprintf(what, sizeof what, "%s %s %dx%d, %d token%s%s", T == 1 ? "gemv" : "cuBLAS", bf ? "bf16" : "fp32", rows, cols, T,
+    snprintf(what, sizeof what, "%s %s %dx%d, %d token%s%s", T == 1 ? "gemv" : "cuBLAS", fmt_name(fmt), rows, cols, T,
              T > 1 ? "s" : "", epi ? ", relu^2" : "");
     expect(what, host_copy(dout, ref.size()), ref, 2e-5);
-    CUDA_CHECK(cudaFree(W.w));
+    free_mat(&W);
     CUDA_CHECK(cudaFree(dx));
     CUDA_CHECK(cudaFree(dout));
     free_rank(&g);
@@ -159,20 +199,26 @@ static void test_norms(int hidden, int T) {
         CUDA_CHECK(cudaFree(dx16));
         for (float *p : {dres, dadd, dw, dx}) CUDA_CHECK(cudaFree(p));
     }
-    int V = 37;
-    std::vector<float> table = rand_vec((size_t)V * hidden);
+    int V = 37, cols = hidden / 16 * 16;
     std::vector<int> tok(T);
     for (auto &t : tok) t = (int)(rng() % V);
-    float *dt = dev_copy(table), *dres = dev_copy(std::vector<float>((size_t)T * hidden));
     int *dtok;
     CUDA_CHECK(cudaMalloc(&dtok, T * sizeof(int)));
     CUDA_CHECK(cudaMemcpy(dtok, tok.data(), T * sizeof(int), cudaMemcpyHostToDevice));
-    LAUNCH(dim3(cdiv(hidden, 256), T), 256, 0, 0, embed_kernel, dres, dt, 0, dtok, hidden);
-    std::vector<double> ref((size_t)T * hidden);
-    for (int t = 0; t < T; t++) for (int i = 0; i < hidden; i++) ref[(size_t)t * hidden + i] = table[(size_t)tok[t] * hidden + i];
-    expect("embedding gather", host_copy(dres, ref.size()), ref, 0);
-    CUDA_CHECK(cudaFree(dt));
-    CUDA_CHECK(cudaFree(dres));
+    for (int fmt : {DT_F32, DT_BF16, DT_FP8, DT_NVFP4}) {
+        HostMat table = host_mat(fmt, V, cols, 1.0f);
+        Mat m = view(table, 0, V, 0, cols);
+        GMat E = upload_mat(&m, 1);
+        float *dres = dev_copy(std::vector<float>((size_t)T * cols));
+        LAUNCH(dim3(cdiv(cols, 256), T), 256, 0, 0, embed_kernel, dres, (const GMat)E, (const int *)dtok, cols);
+        std::vector<double> ref((size_t)T * cols);
+        for (int t = 0; t < T; t++) for (int i = 0; i < cols; i++) ref[(size_t)t * cols + i] = table.v[(size_t)tok[t] * cols + i];
+        char what[96];
+        snprintf(what, sizeof what, "embedding gather, %s, %d wide", fmt_name(fmt), cols);
+        expect(what, host_copy(dres, ref.size()), ref, 0);
+        free_mat(&E);
+        CUDA_CHECK(cudaFree(dres));
+    }
     CUDA_CHECK(cudaFree(dtok));
 }
 
@@ -204,7 +250,7 @@ static std::vector<double> ref_scan(const std::vector<float> &proj, int in, cons
 /* ---- Mamba2: conv + state, the selective scan + state, the gated group norm, over several calls; at a
  * single step whose groups are whole 16-byte pieces, the gated norm as decode folds it: the scan gates
  * and out_proj (a random one here, 37 x di) scales the groups (EPI_GNORM) ---- */
-static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> steps) {
+static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> steps, int fmt = DT_BF16) {
     int di = heads * hdim, cv = di + 2 * groups * N, in = di + cv + heads + 3;   /* proj rows: z | xBC | dt, then padding */
     std::vector<float> cw = rand_vec((size_t)cv * 4, 0.5f), cb = rand_vec(cv, 0.2f), A(heads), D = rand_vec(heads), dtb(heads),
         gw = rand_vec(di);
@@ -213,16 +259,14 @@ static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> 
     float *d_cw = dev_copy(cw), *d_cb = dev_copy(cb), *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb);
     float *d_gw = dev_copy(gw), *d_cst = dev_copy(std::vector<float>((size_t)cv * 3)), *d_ssm = dev_copy(std::vector<float>((size_t)di * N));
     int LR = scan_lanes(N), gs = di / groups, rows = 37;
-    std::vector<float> wo = rand_vec((size_t)rows * di, 1.0f / sqrtf((float)di));
-    for (auto &v : wo) v = bf16_round(v);
-    std::vector<uint16_t> wob(wo.size());
-    for (size_t i = 0; i < wo.size(); i++) { __nv_bfloat16 b = __float2bfloat16(wo[i]); memcpy(&wob[i], &b, 2); }
-    Mat wm = {wob.data(), DT_BF16, rows, di, (size_t)di};
+    HostMat hwo = host_mat(fmt, rows, di, 1.0f / sqrtf((float)di));
+    const std::vector<float> &wo = hwo.v;
+    Mat wm = view(hwo, 0, rows, 0, di);
     GMat Wo = upload_mat(&wm, 1);
     GpuRank gr = make_rank(1);
     float *d_gss = dev_copy(std::vector<float>((size_t)heads * scan_blocks(hdim, N))), *d_out = dev_copy(std::vector<float>(rows));
     for (int T : steps) {
-        int fold = gnorm_folds(T, heads, hdim, N, gs);
+        int fold = gnorm_folds(T, heads, hdim, N, gs, fmt_per(fmt));
         std::vector<float> proj = rand_vec((size_t)T * in);
         float *d_proj = dev_copy(proj), *d_xbc = dev_copy(std::vector<float>((size_t)T * cv)), *d_y = dev_copy(std::vector<float>((size_t)T * di));
         LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv);
@@ -292,7 +336,7 @@ static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> 
         for (float *p : {d_proj, d_xbc, d_y}) CUDA_CHECK(cudaFree(p));
     }
     for (float *p : {d_cw, d_cb, d_A, d_D, d_dtb, d_gw, d_cst, d_ssm, d_gss, d_out}) CUDA_CHECK(cudaFree(p));
-    CUDA_CHECK(cudaFree(Wo.w));
+    free_mat(&Wo);
     free_rank(&gr);
 }
 
@@ -538,59 +582,41 @@ static void test_moe_router(int E, int K, int n_group, int topk_group, int norm,
     CUDA_CHECK(cudaFree(L.gate_bias));
 }
 
-/* A matrix's host copy (rounded to bf16 if bf) and its upload from `parts` strided views. */
-typedef struct {
-    std::vector<float> v;       /* [rows, ld] values as the GPU sees them */
-    std::vector<uint16_t> b;    /* bf16 storage (bf) */
-    int rows, ld;
-} HostMat;
-
-static HostMat host_mat(int bf, int rows, int ld, float scale) {
-    HostMat h = {rand_vec((size_t)rows * ld, scale), std::vector<uint16_t>((size_t)rows * ld), rows, ld};
-    for (size_t i = 0; i < h.v.size(); i++) {
-        __nv_bfloat16 b = __float2bfloat16(h.v[i]);
-        memcpy(&h.b[i], &b, 2);
-        if (bf) h.v[i] = __bfloat162float(b);
-    }
-    return h;
-}
-
-/* The view [r0, r0 + rows) x [c0, c0 + cols) of h. */
-static Mat view(const HostMat &h, int bf, int r0, int rows, int c0, int cols) {
-    size_t at = (size_t)r0 * h.ld + c0;
-    return Mat{bf ? (const void *)(h.b.data() + at) : (const void *)(h.v.data() + at), bf ? DT_BF16 : DT_F32, rows, cols, (size_t)h.ld};
-}
-
 static double bf16r(double v, int round) { return round ? (double)bf16_round((float)v) : v; }
 
 /* The experts' products for T tokens (T = 1: decode's kernels; else the grouped cuBLAS path) on a
- * random choice, against float64. Expert e's up is rows [r m, (r + 1) m) of a [2m, d] tensor and its
- * down the same columns of a [d, 2m] one (rank r = 1 of 2), uploaded as gpu_init does. Where the
- * prompt path feeds cuBLAS bf16 activations, the reference rounds them at the same points. */
-static void test_moe_products(int bf, int E, int K, int m, int S, int hidden, int lat, int T) {
-    int d = lat ? lat : hidden, rb = bf && T > 1;
+ * random choice, against float64: routed experts in format fe, the shared expert and the latent
+ * projections in fs (NVFP4 experts beside FP8 shared ones, as Super's release mixes them). Expert e's
+ * up is rows [r m, (r + 1) m) of a [2m, d] tensor and its down the same columns of a [d, 2m] one
+ * (rank r = 1 of 2), uploaded as gpu_init does. Where the prompt path feeds cuBLAS bf16 operands
+ * (activations, and a quantized matrix's dequantized values), the reference rounds them too. */
+static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hidden, int lat, int T) {
+    int d = lat ? lat : hidden, rb = fe != DT_F32 && T > 1, qe = rb && fe >= DT_FP8, qs = rb && fs >= DT_FP8;
     MoeShape ms = {E, K, m, S, hidden, lat, d};
     std::vector<HostMat> up, down;
     std::vector<Mat> upv(E), downv(E);
     for (int e = 0; e < E; e++) {
-        up.push_back(host_mat(bf, 2 * m, d, 2.0f / sqrtf((float)d)));
-        down.push_back(host_mat(bf, d, 2 * m, 2.0f / sqrtf((float)m)));
+        up.push_back(host_mat(fe, 2 * m, d, 2.0f / sqrtf((float)d)));
+        down.push_back(host_mat(fe, d, 2 * m, 2.0f / sqrtf((float)m)));
     }
-    for (int e = 0; e < E; e++) { upv[e] = view(up[e], bf, m, m, 0, d); downv[e] = view(down[e], bf, 0, d, m, m); }
-    HostMat su = host_mat(bf, S, hidden, 2.0f / sqrtf((float)hidden)), sd = host_mat(bf, hidden, S, 2.0f / sqrtf((float)S));
-    HostMat li = host_mat(bf, lat ? lat : 1, hidden, 1.0f / sqrtf((float)hidden)), lo = host_mat(bf, hidden, lat ? lat : 1, 1.0f / sqrtf((float)d));
+    for (int e = 0; e < E; e++) { upv[e] = view(up[e], m, m, 0, d); downv[e] = view(down[e], 0, d, m, m); }
+    HostMat su = host_mat(fs, S, hidden, 2.0f / sqrtf((float)hidden)), sd = host_mat(fs, hidden, S, 2.0f / sqrtf((float)S));
+    HostMat li = host_mat(fs, lat ? lat : 16, hidden, 1.0f / sqrtf((float)hidden)), lo = host_mat(fs, hidden, lat ? lat : 16, 1.0f / sqrtf((float)d));
+    /* what a prompt's cuBLAS products multiply: a quantized matrix's values in bf16 */
+    for (HostMat *h : {&su, &sd, &li, &lo}) for (auto &v : h->v) v = (float)bf16r(v, qs);
+    for (int e = 0; e < E; e++) for (HostMat *h : {&up[e], &down[e]}) for (auto &v : h->v) v = (float)bf16r(v, qe);
     GLayer L;
     memset(&L, 0, sizeof L);
     L.eup = upload_mat(upv.data(), E);
     L.edown = upload_mat(downv.data(), E);
-    Mat v = view(su, bf, 0, S, 0, hidden);
+    Mat v = view(su, 0, S, 0, hidden);
     L.sup = upload_mat(&v, 1);
-    v = view(sd, bf, 0, hidden, 0, S);
+    v = view(sd, 0, hidden, 0, S);
     L.sdown = upload_mat(&v, 1);
     if (lat) {
-        v = view(li, bf, 0, lat, 0, hidden);
+        v = view(li, 0, lat, 0, hidden);
         L.lat_in = upload_mat(&v, 1);
-        v = view(lo, bf, 0, hidden, 0, lat);
+        v = view(lo, 0, hidden, 0, lat);
         L.lat_out = upload_mat(&v, 1);
     }
     /* a random choice: K distinct experts a token, weights in (0, 2) */
@@ -659,8 +685,8 @@ static void test_moe_products(int bf, int E, int K, int m, int S, int hidden, in
         }
     }
     char what[160];
-    snprintf(what, sizeof what, "moe %s %s: %d experts top %d, %d / shared %d rows, hidden %d, latent %d, %d token%s", T == 1 ? "decode" : "prompt",
-             bf ? "bf16" : "fp32", E, K, m, S, hidden, lat, T, T > 1 ? "s" : "");
+    snprintf(what, sizeof what, "moe %s %s/%s: %d experts top %d, %d / shared %d rows, hidden %d, latent %d, %d token%s",
+             T == 1 ? "decode" : "prompt", fmt_name(fe), fmt_name(fs), E, K, m, S, hidden, lat, T, T > 1 ? "s" : "");
     /* bf16 prompt: the reference rounds where the GPU does, but a value that fp32 and float64 sums put on
        either side of a bf16 rounding boundary moves by an ulp (2^-8): with a latent sum rounded before
        fc2 that reached 1.2e-3 of the largest output on one seed */
@@ -680,8 +706,8 @@ static void test_moe_products(int bf, int E, int K, int m, int S, int hidden, in
         }
         expect_int("... pairs grouped by expert: misplaced", bad, 0);
     }
-    for (void *p : {L.eup.w, L.edown.w, L.sup.w, L.sdown.w, L.lat_in.w, L.lat_out.w, (void *)out, (void *)g.proj, (void *)g.x, (void *)g.x16})
-        CUDA_CHECK(cudaFree(p));
+    for (GMat *p : {&L.eup, &L.edown, &L.sup, &L.sdown, &L.lat_in, &L.lat_out}) free_mat(p);
+    for (void *p : {(void *)out, (void *)g.proj, (void *)g.x, (void *)g.x16}) CUDA_CHECK(cudaFree(p));
     moe_free(&g);
     free_rank(&g);
 }
@@ -854,22 +880,22 @@ static void time_sample(int V, int peaked) {
 
 /* Not a check: the bandwidth the one-token product reaches at a model's shape: as matmul launches it,
  * and with 1 and 2 warps a row. */
-static void time_gemv(int rows, int cols) {
-    Mat m = {NULL, DT_BF16, rows, cols, (size_t)cols};
+static void time_gemv(int rows, int cols, int fmt = DT_BF16) {
+    Mat m = {NULL, fmt, rows, cols, (size_t)cols, NULL, 0, 1e-3f};
     GMat W = upload_mat(&m, 1);
     GpuRank g = make_rank(8);
     float *dx = dev_copy(rand_vec(cols)), *dout = dev_copy(std::vector<float>(rows));
     float us = time_us(g.stream, 50, [&] { matmul(&g, dout, rows, dx, cols, 1, &W, 0, nullptr, nullptr); });
-    printf("# gemv bf16 %dx%d: %.1f us (%d warps a row), %.0f GB/s of weights; at 1, 2:", rows, cols, us, gemv_wpr(&g, &W),
-           2.0 * rows * cols / (us * 1e3));
+    double bytes = (double)rows * cols * 16 / fmt_per(fmt) + (fmt == DT_NVFP4 ? rows * cols / 16.0 : 0);
+    printf("# gemv %s %dx%d: %.1f us (%d warps a row), %.0f GB/s of weights; at 1, 2:", fmt_name(fmt), rows, cols, us, gemv_wpr(&g, &W),
+           bytes / (us * 1e3));
     for (int wpr = 1; wpr <= GEMV_WARPS; wpr *= 2)
         printf(" %.1f", time_us(g.stream, 50, [&] {
-            GemvArgs a = {.out = dout, .W = W.w, .ld = W.ld, .rows = rows, .cols = cols, .x = dx, .wpr = wpr, .warm = nullptr,
-                          .warm_n = 0, .warm_from = 0, .gs = GroupScale{}};
-            LAUNCH(cdiv(rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g.stream, gemv_kernel<1, EPI_NONE>, a);
+            GemvArgs a = {.out = dout, .W = W, .x = dx, .wpr = wpr, .warm = nullptr, .warm_n = 0, .warm_from = 0, .gs = GroupScale{}};
+            LAUNCH(cdiv(rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g.stream, gemv_for(fmt, EPI_NONE), a);
         }));
     printf(" us\n");
-    CUDA_CHECK(cudaFree(W.w));
+    free_mat(&W);
     CUDA_CHECK(cudaFree(dx));
     CUDA_CHECK(cudaFree(dout));
     free_rank(&g);
@@ -878,12 +904,13 @@ static void time_gemv(int rows, int cols) {
 /* Not a check: one decode step of a MoE layer at a model's shape (router, up, down; random weights
  * drawn on the device), and the bandwidth over the bytes it must read: the router, the chosen
  * experts' rows, the shared expert, the latent projections. */
-static void time_moe(const char *name, int E, int K, int m, int S, int hidden, int lat) {
+static void time_moe(const char *name, int E, int K, int m, int S, int hidden, int lat, int fe = DT_BF16, int fs = DT_BF16) {
     int d = lat ? lat : hidden;
     MoeShape ms = {E, K, m, S, hidden, lat, d};
     MoeRoute rt = {E, K, 1, 1, 1, 2.5f};
-    Mat eu = {NULL, DT_BF16, E * m, d, (size_t)d}, ed = {NULL, DT_BF16, E * d, m, (size_t)m}, su = {NULL, DT_BF16, S, hidden, (size_t)hidden},
-        sd = {NULL, DT_BF16, hidden, S, (size_t)S}, li = {NULL, DT_BF16, lat, hidden, (size_t)hidden}, lo = {NULL, DT_BF16, hidden, lat, (size_t)lat};
+    Mat eu = {NULL, fe, E * m, d, (size_t)d, NULL, 0, 1e-3f}, ed = {NULL, fe, E * d, m, (size_t)m, NULL, 0, 1e-3f},
+        su = {NULL, fs, S, hidden, (size_t)hidden, NULL, 0, 1e-3f}, sd = {NULL, fs, hidden, S, (size_t)S, NULL, 0, 1e-3f},
+        li = {NULL, fs, lat, hidden, (size_t)hidden, NULL, 0, 1e-3f}, lo = {NULL, fs, hidden, lat, (size_t)lat, NULL, 0, 1e-3f};
     GLayer L;
     memset(&L, 0, sizeof L);
     L.eup = upload_mat(&eu, 1);
@@ -901,12 +928,12 @@ static void time_moe(const char *name, int E, int K, int m, int S, int hidden, i
         moe_choose(&g, &L, &ms, rt, 1);
         moe_experts(&g, &L, &ms, out, 1, NULL);
     });
-    double bytes = (double)E * hidden * 4 + 2.0 * K * m * d * 2 + 2.0 * S * hidden * 2 + 2.0 * lat * hidden * 2;
-    printf("# moe decode layer %s (%d experts top %d, %d rows, shared %d, hidden %d, latent %d): %.1f us, %.0f GB/s of %.1f MB\n",
-           name, E, K, m, S, hidden, lat, us, bytes / (us * 1e3), bytes / 1e6);
-    for (void *p : {L.eup.w, L.edown.w, L.sup.w, L.sdown.w, L.lat_in.w, L.lat_out.w, (void *)L.gate, (void *)L.gate_bias, (void *)out,
-                    (void *)g.x})
-        CUDA_CHECK(cudaFree(p));
+    auto eb = [](int fmt) { return 16.0 / fmt_per(fmt) + (fmt == DT_NVFP4 ? 1.0 / 16 : 0); };   /* bytes an element */
+    double bytes = (double)E * hidden * 4 + 2.0 * K * m * d * eb(fe) + 2.0 * S * hidden * eb(fs) + 2.0 * lat * hidden * eb(fs);
+    printf("# moe decode layer %s %s/%s (%d experts top %d, %d rows, shared %d, hidden %d, latent %d): %.1f us, %.0f GB/s of %.1f MB\n",
+           name, fmt_name(fe), fmt_name(fs), E, K, m, S, hidden, lat, us, bytes / (us * 1e3), bytes / 1e6);
+    for (GMat *p : {&L.eup, &L.edown, &L.sup, &L.sdown, &L.lat_in, &L.lat_out}) free_mat(p);
+    for (void *p : {(void *)L.gate, (void *)L.gate_bias, (void *)out, (void *)g.x}) CUDA_CHECK(cudaFree(p));
     moe_free(&g);
     free_rank(&g);
 }
@@ -918,15 +945,24 @@ int main(int argc, char **argv) {
     printf("# seed %llu (run with it as the argument to repeat)\n", (unsigned long long)seed);
     /* the sampler's candidate buffer, as gpu_init sets it up */
     CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SAMPLE_CAND * sizeof(float)));
-    for (int bf = 0; bf < 2; bf++) {
-        test_matmul(bf, 37, 1000, 1, 0);
-        test_matmul(bf, 300, 4099, 1, 0);
-        test_matmul(bf, 129, 60, 1, 1);
-        test_matmul(bf, 1, 8, 1, 0);
-        test_matmul(bf, 37, 16395, 1, 0);   /* two warps a row */
-        test_matmul(bf, 130, 1000, 7, 0);
-        test_matmul(bf, 77, 515, 130, 1);
+    for (int fmt : {DT_F32, DT_BF16, DT_FP8}) {
+        test_matmul(fmt, 37, 1000, 1, 0);
+        test_matmul(fmt, 300, 4099, 1, 0);
+        test_matmul(fmt, 129, 60, 1, 1);
+        test_matmul(fmt, 1, 8, 1, 0);
+        test_matmul(fmt, 37, 16395, 1, 0);   /* two warps a row */
+        test_matmul(fmt, 130, 1000, 7, 0);
+        test_matmul(fmt, 77, 515, 130, 1);
     }
+    /* NVFP4 rows are whole 16-element blocks: 32 elements a piece, a last half piece, none at all */
+    test_matmul(DT_NVFP4, 37, 1008, 1, 0);
+    test_matmul(DT_NVFP4, 300, 4112, 1, 0);
+    test_matmul(DT_NVFP4, 129, 64, 1, 1);
+    test_matmul(DT_NVFP4, 3, 16, 1, 0);
+    test_matmul(DT_NVFP4, 37, 16400, 1, 0);   /* two warps a row */
+    test_matmul(DT_NVFP4, 130, 1008, 7, 0);
+    test_matmul(DT_NVFP4, 77, 528, 130, 1);
+    test_matmul(DT_FP8, 40000, 900, 3, 0);    /* more rows than deq holds at once: a prompt's product in two passes */
     test_norms(1000, 3);
     test_norms(4099, 1);
     test_mamba(6, 10, 2, 16, {5, 1, 37});
@@ -935,6 +971,9 @@ int main(int argc, char **argv) {
     test_mamba(4, 12, 2, 256, {20, 1});
     test_mamba(2, 80, 1, 128, {40, 1});   /* P = 80: rows of one head across blocks */
     test_mamba(32, 64, 1, 64, {2, 1});    /* one group of 2048 channels for the gated norm */
+    test_mamba(8, 64, 4, 128, {1}, DT_FP8);     /* the gated norm folded into a quantized out_proj */
+    test_mamba(8, 64, 4, 128, {1}, DT_NVFP4);
+    test_mamba(6, 10, 2, 16, {1}, DT_NVFP4);    /* groups of 30 channels: no fold with NVFP4's 32-element pieces */
     test_ssd(6, 10, 2, 8, {37, 1, 64, 1});          /* the tiny-bf16 fixture's shape: one partial chunk, one whole */
     test_ssd(8, 64, 2, 128, {130, 1, 200, 1});      /* nemotron-h-8b's head and state: chunks across calls */
     test_ssd(4, 80, 1, 64, {65, 1});                /* P = 80: channels over two blocks, a chunk of one step at the end */
@@ -976,17 +1015,26 @@ int main(int argc, char **argv) {
     test_moe_router(128, 6, 1, 1, 1, 2.5f, 2688, 1, 0);    /* nemotron-3-nano-30b-a3b */
     test_moe_router(128, 6, 1, 1, 1, 2.5f, 2688, 20, 0);
     test_moe_router(512, 22, 1, 1, 1, 5.0f, 4096, 1, 0);   /* nemotron-3-super-120b-a12b */
-    for (int bf = 0; bf < 2; bf++) {
-        test_moe_products(bf, 12, 3, 20, 36, 40, 0, 1);
-        test_moe_products(bf, 10, 4, 27, 19, 56, 24, 1);   /* latent */
-        test_moe_products(bf, 7, 2, 13, 9, 32, 0, 1);
-        test_moe_products(bf, 12, 3, 20, 36, 40, 0, 37);
-        test_moe_products(bf, 10, 4, 27, 19, 56, 24, 50);
-        test_moe_products(bf, 10, 4, 27, 19, 40, 48, 37);   /* latent wider than hidden */
-        test_moe_products(bf, 64, 2, 24, 40, 64, 0, 3);    /* most experts without tokens */
-        test_moe_products(bf, 8, 6, 1302, 600, 520, 0, 1);   /* two warps a row in the down product */
-        test_moe_products(bf, 8, 6, 1302, 600, 520, 72, 1);
-        test_moe_products(bf, 8, 6, 1302, 600, 520, 72, 130);
+    for (int fmt : {DT_F32, DT_BF16, DT_FP8}) {
+        test_moe_products(fmt, fmt, 12, 3, 20, 36, 40, 0, 1);
+        test_moe_products(fmt, fmt, 10, 4, 27, 19, 56, 24, 1);   /* latent */
+        test_moe_products(fmt, fmt, 7, 2, 13, 9, 32, 0, 1);
+        test_moe_products(fmt, fmt, 12, 3, 20, 36, 40, 0, 37);
+        test_moe_products(fmt, fmt, 10, 4, 27, 19, 56, 24, 50);
+        test_moe_products(fmt, fmt, 10, 4, 27, 19, 40, 48, 37);   /* latent wider than hidden */
+        test_moe_products(fmt, fmt, 64, 2, 24, 40, 64, 0, 3);    /* most experts without tokens */
+        test_moe_products(fmt, fmt, 8, 6, 1302, 600, 520, 0, 1);   /* two warps a row in the down product */
+        test_moe_products(fmt, fmt, 8, 6, 1302, 600, 520, 72, 1);
+        test_moe_products(fmt, fmt, 8, 6, 1302, 600, 520, 72, 130);
+    }
+    /* NVFP4 experts (sizes whole 16-element blocks), alone and beside FP8 or bf16 shared experts */
+    for (int fs : {DT_NVFP4, DT_FP8, DT_BF16}) {
+        test_moe_products(DT_NVFP4, fs, 12, 3, 32, 48, 64, 0, 1);
+        test_moe_products(DT_NVFP4, fs, 10, 4, 32, 16, 64, 32, 1);   /* latent */
+        test_moe_products(DT_NVFP4, fs, 12, 3, 32, 48, 64, 0, 37);
+        test_moe_products(DT_NVFP4, fs, 10, 4, 32, 16, 48, 80, 37);  /* latent wider than hidden */
+        test_moe_products(DT_NVFP4, fs, 8, 6, 1296, 592, 528, 80, 1);   /* two warps a row in the down product */
+        test_moe_products(DT_NVFP4, fs, 8, 6, 1296, 592, 528, 80, 130);
     }
     test_sampling(1000, 0);
     test_sampling(131072, 0);
@@ -998,9 +1046,17 @@ int main(int argc, char **argv) {
     time_gemv(6144, 4096);     /* qkv */
     time_gemv(4480, 15680);    /* nemotron-nano-9b-v2: down (at one warp a row, a second wave of 128 blocks) */
     time_gemv(131072, 4096);   /* lm_head */
+    for (int fmt : {DT_FP8, DT_NVFP4}) {
+        time_gemv(18560, 4096, fmt);   /* nemotron-h-8b: in_proj */
+        time_gemv(4096, 21504, fmt);   /* down */
+        time_gemv(10304, 2688, fmt);   /* nemotron-3-nano-30b-a3b: in_proj */
+    }
     time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0);
     time_moe("nemotron-3-nano-30b-a3b, a rank of 2", 128, 6, 928, 1856, 2688, 0);
     time_moe("nemotron-3-super-120b-a12b, a rank of 2", 512, 22, 1344, 2688, 4096, 1024);
+    time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0, DT_FP8, DT_FP8);
+    time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0, DT_NVFP4, DT_NVFP4);
+    time_moe("nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 4096, 1024, DT_NVFP4, DT_FP8);
     time_chain();
     time_sample(131072, 1);
     time_sample(131072, 0);
