@@ -661,16 +661,68 @@ __device__ __forceinline__ float row_dot_fmt(int fmt, const char *row, const uin
     return row_dot<DT_NVFP4>(row, bs, x, cols, c, st);
 }
 
-/* The format class an expert kernel is compiled for, given the formats of the matrices it reads. */
-static int fmt_class(std::initializer_list<int> fmts) {
-    int f = *fmts.begin();
-    for (int x : fmts) if (x != f) return FMT_ANY;
-    return f;
+/* Quantized rows are read QROWS a warp, each piece's x once for all of them: a warp a row is bound
+ * by its x reads there, not by the weights (a lane's 16 bytes of FP8 meet 64 bytes of x, NVFP4's
+ * 128, read lane-strided, a cache line a lane: on H200 FP8 rows streamed at 1.6 TB/s, NVFP4 at 0.5). */
+enum { QROWS = 4 };
+
+/* The first pieces (c) of R rows (row[q], their block scales bs[q]); zeros past nvec. */
+template <int FMT, int R>
+__device__ __forceinline__ void rows_load(Piece (&v)[R], const char *const (&row)[R], const uint8_t *const (&bs)[R], int c, int nvec) {
+#pragma unroll
+    for (int q = 0; q < R; q++) v[q] = c < nvec ? piece_load<FMT>((const uint4 *)row[q], bs[q], c) : Piece{make_uint4(0, 0, 0, 0), 0};
 }
 
-/* Blocks an SM holds of a one-token product's kernel: NVFP4's decoding needs more registers than
- * 16 blocks of two warps leave (64), so it takes 8. */
-__host__ __device__ constexpr int gemv_min_blocks(int fmt) { return fmt == DT_NVFP4 || fmt == FMT_ANY ? 8 : 16; }
+/* This lane's part of R rows' dots with one x of `cols` elements (before the rows' scales), element k
+ * weighed by sc(k), added to acc[q]: pieces c, c + st, ..., v holding the first (rows_load). Each
+ * row's next piece is in flight while this one's math runs. */
+template <int FMT, int R, typename Scale>
+__device__ __forceinline__ void rows_dot(float (&acc)[R], const char *const (&row)[R], const uint8_t *const (&bs)[R], const float *x,
+                                         int cols, int c, int st, Piece (&v)[R], Scale sc) {
+    constexpr int per = fmt_per(FMT);
+    int nvec = cols / per, first = c;
+    for (; c < nvec; c += st) {
+        Piece u[R];
+#pragma unroll
+        for (int q = 0; q < R; q++) {
+            u[q] = v[q];
+            if (c + st < nvec) v[q] = piece_load<FMT>((const uint4 *)row[q], bs[q], c + st);
+        }
+        float s = sc(c * per);
+#pragma unroll
+        for (int q = 0; q < R; q++) acc[q] += s * dot16<FMT>(u[q].w, u[q].s, x + c * per);
+    }
+#pragma unroll
+    for (int q = 0; q < R; q++) acc[q] += row_tail<FMT>(row[q], bs[q], x, nvec * per + first, cols, st, sc);
+}
+
+/* rows_load and rows_dot for a run-time format of a kernel compiled for the quantized class F. */
+template <int F, int R>
+__device__ __forceinline__ void rows_dot_fmt(int fmt, float (&acc)[R], const char *const (&row)[R], const uint8_t *const (&bs)[R],
+                                             const float *x, int cols, int c, int st) {
+    Piece v[R];
+    auto one = [](int) { return 1.0f; };
+    if (F == FMT_ANY && fmt == DT_BF16) {
+        rows_load<DT_BF16, R>(v, row, bs, c, cols / fmt_per(DT_BF16));
+        rows_dot<DT_BF16, R>(acc, row, bs, x, cols, c, st, v, one);
+    } else if (F == DT_FP8 || (F == FMT_ANY && fmt == DT_FP8)) {
+        rows_load<DT_FP8, R>(v, row, bs, c, cols / fmt_per(DT_FP8));
+        rows_dot<DT_FP8, R>(acc, row, bs, x, cols, c, st, v, one);
+    } else {
+        rows_load<DT_NVFP4, R>(v, row, bs, c, cols / fmt_per(DT_NVFP4));
+        rows_dot<DT_NVFP4, R>(acc, row, bs, x, cols, c, st, v, one);
+    }
+}
+
+/* The format class an expert kernel is compiled for, given the formats fmt[0..n) of the matrices it reads. */
+static int fmt_class(const int *fmt, int n) {
+    for (int i = 1; i < n; i++) if (fmt[i] != fmt[0]) return FMT_ANY;
+    return fmt[0];
+}
+
+/* Blocks an SM holds of a one-token product's kernel: the quantized ones read QROWS rows a warp and
+ * need more registers than 16 blocks of two warps leave (64), so they take 8. */
+__host__ __device__ constexpr int gemv_min_blocks(int fmt) { return fmt == DT_F32 || fmt == DT_BF16 ? 16 : 8; }
 
 /* Blocks of two warps: as a product's last blocks drain, the next kernel's blocks take the freed
  * slots in small steps. Tuned on H200: blocks of 8, 4 and 1 warps are slower, and so is the code the
@@ -688,11 +740,11 @@ typedef struct {
     GroupScale gs;              /* EPI_GNORM: the scan's partial sums of u^2 */
 } GemvArgs;
 
-/* out[i] = epi(s_i sum_k W[i][k] x[k]), s_i the row's scale (quantized W); wpr warps per row, four to
- * eight 16-byte loads in flight per lane (row_dot), the first four before the wait. Blocks from
- * warm_from on (the last wave) then warm L2 for the next product. */
+/* out[i] = epi(sum_k W[i][k] x[k]) for fp32 and bf16 W; wpr warps per row, four to eight 16-byte
+ * loads in flight per lane (row_dot), the first four before the wait. Blocks from warm_from on (the
+ * last wave) then warm L2 for the next product. */
 template <int FMT, int EPI>
-__global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(FMT)) gemv_kernel(const __grid_constant__ GemvArgs a) {
+__global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(const __grid_constant__ GemvArgs a) {
     const float *x = a.x;
     const GroupScale gs = a.gs;
     int rows = a.W.rows, cols = a.W.cols, wpr = a.wpr;
@@ -700,8 +752,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(FMT)) gemv_ke
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr;
     int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr, r = row < rows ? row : 0;
     const char *wrow = (const char *)a.W.w + (size_t)r * row_bytes(FMT, a.W.ld);
-    const uint8_t *brow = FMT == DT_NVFP4 ? a.W.bs + (size_t)r * (a.W.ld / 16) : NULL;
-    float scale = FMT == DT_FP8 || FMT == DT_NVFP4 ? a.W.rs[r] : 1.0f;
+    const uint8_t *brow = NULL;
     int st = 32 * wpr, c = part * 32 + lane;
     Piece v[4] = {};
     if (row < rows) row_load<FMT>(v, (const uint4 *)wrow, brow, c, st, cols / fmt_per(FMT));   /* fetched while the previous kernel finishes */
@@ -719,9 +770,44 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(FMT)) gemv_ke
         for (int k = 1; k < wpr; k++) acc += red[warp + k];
     }
     if (lane == 0 && row < rows) {
-        acc *= scale;
         if (EPI == EPI_RELU2) { acc = fmaxf(acc, 0.0f); acc *= acc; }
         a.out[row] = acc;
+    }
+}
+
+/* The same for FP8 and NVFP4 W, out[i] = epi(s_i sum_k W[i][k] x[k]) with s_i the row's scale: a warp
+ * takes QROWS rows (rows_dot); their first pieces before the wait. */
+template <int FMT, int EPI>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(FMT)) gemv_q_kernel(const __grid_constant__ GemvArgs a) {
+    const GroupScale gs = a.gs;
+    int rows = a.W.rows, cols = a.W.cols, lane = threadIdx.x & 31;
+    int row0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * QROWS;
+    const char *wr[QROWS];
+    const uint8_t *br[QROWS];
+    Piece v[QROWS];
+#pragma unroll
+    for (int q = 0; q < QROWS; q++) {
+        int r = min(row0 + q, rows - 1);
+        wr[q] = (const char *)a.W.w + (size_t)r * row_bytes(FMT, a.W.ld);
+        br[q] = FMT == DT_NVFP4 ? a.W.bs + (size_t)r * (a.W.ld / 16) : NULL;
+    }
+    rows_load<FMT, QROWS>(v, wr, br, lane, cols / fmt_per(FMT));
+    pdl_wait();
+    __shared__ float gsum[EPI == EPI_GNORM ? GNORM_PARTS : 1];
+    if (EPI == EPI_GNORM) group_scales<32 * GEMV_WARPS>(gsum, gs, cols);
+    auto sc = [&](int k) { return EPI == EPI_GNORM ? gsum[k / gs.gsize * gs.parts] : 1.0f; };   /* element k's scale */
+    float acc[QROWS] = {}, mine = 0;   /* lane q keeps row q's sum */
+    rows_dot<FMT, QROWS>(acc, wr, br, a.x, cols, lane, 32, v, sc);
+#pragma unroll
+    for (int q = 0; q < QROWS; q++) {
+        float t = warp_sum(acc[q]);
+        if (lane == q) mine = t;
+    }
+    if ((int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
+    if (lane < QROWS && row0 + lane < rows) {
+        mine *= a.W.rs[row0 + lane];
+        if (EPI == EPI_RELU2) { mine = fmaxf(mine, 0.0f); mine *= mine; }
+        a.out[row0 + lane] = mine;
     }
 }
 
@@ -1845,6 +1931,61 @@ typedef struct {
     int S;                      /* its rows */
 } MoeUp;
 
+/* Virtual row r of moe_up_kernel: its matrix, row, input and place in h, and its slot's weight. */
+typedef struct {
+    const GMat *W;
+    MoeRow row;
+    const float *x;
+    int at;
+    float wt;
+} MoeUpRow;
+
+__device__ __forceinline__ MoeUpRow moe_up_row(const MoeUp &u, const int *idx, const float *wt, int r) {
+    if (r < u.S) return MoeUpRow{&u.shared.W, moe_row(u.shared.W, r), u.shared.x, u.K * pad8(u.m) + r, 1.0f};
+    int j = (r - u.S) / u.m, i = (r - u.S) - j * u.m;
+    return MoeUpRow{&u.routed.W, moe_row(u.routed.W, (size_t)idx[j] * u.m + i), u.routed.x, j * pad8(u.m) + i, wt[j]};
+}
+
+/* moe_up_kernel's quantized form: virtual rows r0 .. r0 + QROWS - 1, read together (rows_dot) where
+ * they share an input (the shared expert's rows, or one slot's expert), else one by one. */
+template <int F>
+__device__ __forceinline__ void moe_up_rows(float *h, const int *idx, const float *wt, const MoeUp &u, int r0, int lane) {
+    int end = u.S + u.K * u.m;
+    for (int q = 0; q < QROWS && r0 + q < u.S; q++) l2_row(moe_row(u.shared.W, r0 + q).w, row_bytes(u.shared.W.fmt, u.shared.W.cols), lane, 32);
+    pdl_wait();
+    if (r0 >= end) return;
+    int last = min(r0 + QROWS, end) - 1, together = last == r0 + QROWS - 1 &&
+        (last < u.S || (r0 >= u.S && (r0 - u.S) / u.m == (last - u.S) / u.m));
+    for (int g = 0; g <= last - r0; g += together ? QROWS : 1) {
+        MoeUpRow vr[QROWS];
+        const char *w[QROWS];
+        const uint8_t *bs[QROWS];
+        float acc[QROWS] = {}, mine = 0;
+#pragma unroll
+        for (int q = 0; q < QROWS; q++) {
+            vr[q] = moe_up_row(u, idx, wt, r0 + g + (together ? q : 0));
+            w[q] = vr[q].row.w;
+            bs[q] = vr[q].row.bs;
+            if (together || q == 0) l2_row(w[q], row_bytes(vr[q].W->fmt, vr[q].W->cols), lane, 32);
+        }
+        if (together) rows_dot_fmt<F, QROWS>(vr[0].W->fmt, acc, w, bs, vr[0].x, vr[0].W->cols, lane, 32);
+        else {
+            float one[1] = {0};
+            const char *w1[1] = {w[0]};
+            const uint8_t *b1[1] = {bs[0]};
+            rows_dot_fmt<F, 1>(vr[0].W->fmt, one, w1, b1, vr[0].x, vr[0].W->cols, lane, 32);
+            acc[0] = one[0];
+        }
+        int at = 0;
+#pragma unroll
+        for (int q = 0; q < QROWS; q++) {
+            float t = fmaxf(warp_sum(acc[q]) * vr[q].row.scale, 0.0f);
+            if (lane == q) { mine = vr[q].wt * t * t; at = vr[q].at; }
+        }
+        if (lane < (together ? QROWS : 1)) h[at] = mine;
+    }
+}
+
 /* Decode, every chosen expert's up product and the shared expert's in one launch. Virtual row r of
  * [S | K m] (S shared rows, m rows of each routed expert on this rank) is shared row r, on x, or row
  * i = (r - S) % m of the expert in slot j = (r - S) / m, on z (x, or fc1's latent):
@@ -1855,28 +1996,18 @@ typedef struct {
 template <int F>
 __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(F)) moe_up_kernel(float *h, const int *idx, const float *wt,
                                                                                     const __grid_constant__ MoeUp u) {
-    int lane = threadIdx.x & 31, r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5), S = u.S, m = u.m;
-    const GMat *W = &u.shared.W;
-    MoeRow row = r < S ? moe_row(*W, r) : MoeRow{};
-    if (r < S) l2_row(row.w, row_bytes(W->fmt, W->cols), lane, 32);
-    pdl_wait();
-    if (r >= S + u.K * m) return;
-    const float *in = u.shared.x;
-    int at = u.K * pad8(m) + r;
-    float wj = 1.0f;
-    if (r >= S) {
-        int j = (r - S) / m, i = (r - S) - j * m;
-        W = &u.routed.W;
-        row = moe_row(*W, (size_t)idx[j] * m + i);
-        in = u.routed.x;
-        at = j * pad8(m) + i;
-        wj = wt[j];
-        l2_row(row.w, row_bytes(W->fmt, W->cols), lane, 32);
-    }
-    float acc = warp_sum(row_dot_fmt<F>(W->fmt, row.w, row.bs, in, W->cols, lane, 32)) * row.scale;
-    if (lane == 0) {
-        acc = fmaxf(acc, 0.0f);
-        h[at] = wj * acc * acc;
+    int lane = threadIdx.x & 31, S = u.S, m = u.m;
+    if constexpr (F != DT_F32 && F != DT_BF16) {   /* quantized: QROWS rows a warp (moe_up_rows) */
+        moe_up_rows<F>(h, idx, wt, u, (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * QROWS, lane);
+    } else {
+        int r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+        if (r < S) l2_row(moe_row(u.shared.W, r).w, row_bytes(u.shared.W.fmt, u.shared.W.cols), lane, 32);
+        pdl_wait();
+        if (r >= S + u.K * m) return;
+        MoeUpRow v = moe_up_row(u, idx, wt, r);
+        if (r >= S) l2_row(v.row.w, row_bytes(v.W->fmt, v.W->cols), lane, 32);
+        float acc = fmaxf(warp_sum(row_dot_fmt<F>(v.W->fmt, v.row.w, v.row.bs, v.x, v.W->cols, lane, 32)) * v.row.scale, 0.0f);
+        if (lane == 0) h[v.at] = v.wt * acc * acc;
     }
 }
 
@@ -1912,6 +2043,39 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(F)) moe_down_
     }
     __syncthreads();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr, first = part * 32 + lane, st = 32 * wpr;
+    if constexpr (F != DT_F32 && F != DT_BF16) {   /* quantized: QROWS output rows a warp, x read once a piece */
+        int row0 = (blockIdx.x * GEMV_WARPS + warp) * QROWS;
+        auto rows_of = [&](int j, const char *(&w)[QROWS], const uint8_t *(&bs)[QROWS], float (&sc)[QROWS]) {
+#pragma unroll
+            for (int q = 0; q < QROWS; q++) {
+                MoeRow s = moe_row(*mat[j], r0[j] + min(row0 + q, rows - 1));
+                w[q] = s.w, bs[q] = s.bs, sc[q] = s.scale;
+            }
+        };
+        const char *w[QROWS];
+        const uint8_t *bs[QROWS];
+        float sc[QROWS], acc[QROWS] = {}, mine = 0;
+        if (row0 < rows && n) {
+            rows_of(0, w, bs, sc);
+            for (int q = 0; q < QROWS; q++) l2_row(w[q], row_bytes(mat[0]->fmt, mat[0]->cols), lane, 32);
+        }
+        pdl_wait();
+        for (int j = 0; row0 < rows && j < n; j++) {
+            float part_acc[QROWS] = {};
+            rows_of(j, w, bs, sc);
+            rows_dot_fmt<F, QROWS>(mat[j]->fmt, part_acc, w, bs, xs[j], mat[j]->cols, lane, 32);
+#pragma unroll
+            for (int q = 0; q < QROWS; q++) acc[q] += part_acc[q] * sc[q];
+        }
+#pragma unroll
+        for (int q = 0; q < QROWS; q++) {
+            float t = warp_sum(acc[q]);
+            if (lane == q) mine = t;
+        }
+        if ((int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
+        if (lane < QROWS && row0 + lane < rows) out[row0 + lane] = mine;
+        return;
+    }
     int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr;
     auto seg = [&](int j) { return moe_row(*mat[j], r0[j] + row); };
     auto seg_bytes = [&](int j) { return row_bytes(mat[j]->fmt, mat[j]->cols); };
@@ -1991,11 +2155,35 @@ __global__ void moe_combine_kernel(float *out, int ldo, int add, const float *y,
 }
 
 /* A prompt's product with a quantized matrix runs on the tensor cores in bf16: rows r0 .. r0 +
- * gridDim.x of W, dequantized (scale included), out[i][k] = bf16(W[r0 + i][k]). A block a row. */
-__global__ void dequant_kernel(bf16 *out, int ldo, const GMat W, int r0) {
+ * gridDim.y of W, dequantized (scale included), out[i][k] = bf16(W[r0 + i][k]) (ldo a multiple of 8).
+ * A thread a 16-byte piece of a row: one load, 16-byte stores. */
+template <int FMT> __global__ void dequant_kernel(bf16 *out, int ldo, const GMat W, int r0) {
+    constexpr int per = fmt_per(FMT);
     pdl_wait();
-    for (int k = threadIdx.x; k < W.cols; k += blockDim.x)
-        out[(size_t)blockIdx.x * ldo + k] = __float2bfloat16(mat_elem(W, (size_t)r0 + blockIdx.x, k));
+    size_t row = (size_t)r0 + blockIdx.y;
+    int c = blockIdx.x * blockDim.x + threadIdx.x, k0 = c * per;
+    if (k0 >= W.cols) return;
+    const char *p = (const char *)W.w + row * row_bytes(FMT, W.ld);
+    const uint8_t *bs = FMT == DT_NVFP4 ? W.bs + row * (W.ld / 16) : NULL;
+    bf16 *o = out + (size_t)blockIdx.y * ldo + k0;
+    if (k0 + per > W.cols) {   /* the row's last, partial piece */
+        for (int k = k0; k < W.cols; k++) o[k - k0] = __float2bfloat16(mat_elem(W, row, k));
+        return;
+    }
+    uint4 w = *((const uint4 *)p + c);
+    uint32_t u[4] = {w.x, w.y, w.z, w.w};
+    float s = W.rs[row], v[per];
+#pragma unroll
+    for (int j = 0; j < per; j++) {
+        unsigned b = u[j * 16 / per / 4] >> (j * 16 / per % 4 * 8) & 0xFF;   /* the byte holding element j */
+        v[j] = FMT == DT_FP8 ? e4m3f(b) * s : e2m1f(j & 1 ? b >> 4 : b & 15) * (e4m3f(bs[(k0 + j) / 16]) * s);
+    }
+#pragma unroll
+    for (int j = 0; j < per; j += 8) {
+        __nv_bfloat162 h[4] = {__floats2bfloat162_rn(v[j], v[j + 1]), __floats2bfloat162_rn(v[j + 2], v[j + 3]),
+                               __floats2bfloat162_rn(v[j + 4], v[j + 5]), __floats2bfloat162_rn(v[j + 6], v[j + 7])};
+        *(uint4 *)(o + j) = *(const uint4 *)h;
+    }
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -2178,10 +2366,11 @@ static void gemm_rows(GpuRank *g, float *out, int ldo, const void *act, int lda,
                   W->cols, W->ld, beta);
         return;
     }
-    int ldd = pad8(W->cols), step = std::max(1, (int)(DEQ_BYTES / 2 / ldd));
+    int ldd = pad8(W->cols), step = std::max(1, (int)(DEQ_BYTES / 2 / ldd)), pieces = cdiv(W->cols, fmt_per(W->fmt));
     for (int i = 0; i < rows; i += step) {
         int nr = std::min(step, rows - i);
-        LAUNCH(nr, 256, 0, g->stream, dequant_kernel, g->deq, ldd, *W, r0 + i);
+        LAUNCH(dim3(cdiv(pieces, 128), nr), 128, 0, g->stream, W->fmt == DT_FP8 ? dequant_kernel<DT_FP8> : dequant_kernel<DT_NVFP4>,
+               g->deq, ldd, *W, r0 + i);
         blas_gemm(g, out + i, ldo, act, lda, n, g->deq, 1, nr, W->cols, ldd, beta);
     }
 }
@@ -2193,11 +2382,21 @@ static void gemm(GpuRank *g, float *out, int ldo, const void *act, int lda, int 
 
 /* The one-token product's kernel for a format and an epilogue. */
 template <int FMT> static void (*gemv_for(int epi))(const GemvArgs) {
-    return epi == EPI_RELU2 ? gemv_kernel<FMT, EPI_RELU2> : epi == EPI_GNORM ? gemv_kernel<FMT, EPI_GNORM> : gemv_kernel<FMT, EPI_NONE>;
+    if constexpr (FMT == DT_FP8 || FMT == DT_NVFP4)
+        return epi == EPI_RELU2 ? gemv_q_kernel<FMT, EPI_RELU2> : epi == EPI_GNORM ? gemv_q_kernel<FMT, EPI_GNORM> : gemv_q_kernel<FMT, EPI_NONE>;
+    else return epi == EPI_RELU2 ? gemv_kernel<FMT, EPI_RELU2> : epi == EPI_GNORM ? gemv_kernel<FMT, EPI_GNORM> : gemv_kernel<FMT, EPI_NONE>;
 }
 static void (*gemv_for(int fmt, int epi))(const GemvArgs) {
     return fmt == DT_F32 ? gemv_for<DT_F32>(epi) : fmt == DT_BF16 ? gemv_for<DT_BF16>(epi) : fmt == DT_FP8 ? gemv_for<DT_FP8>(epi)
                                                                                                         : gemv_for<DT_NVFP4>(epi);
+}
+
+/* Blocks of the one-token product of W (wpr warps a row; quantized: QROWS rows a warp), and how many
+ * the GPU holds at once (quantized: half, at 8 blocks an SM). */
+static int gemv_blocks(const GpuRank *g, const GMat *W, int wpr, int *slots) {
+    int q = W->fmt == DT_FP8 || W->fmt == DT_NVFP4;
+    *slots = q ? g->gemv_slots / 2 : g->gemv_slots;
+    return q ? cdiv(W->rows, GEMV_WARPS * QROWS) : cdiv(W->rows, GEMV_WARPS / wpr);
 }
 
 /* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2, or at T = 1
@@ -2206,9 +2405,9 @@ static void (*gemv_for(int fmt, int epi))(const GemvArgs) {
 static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi, const GMat *next,
                    const GroupScale *gs) {
     if (T == 1) {
-        int wpr = gemv_wpr(g, W), blocks = cdiv(W->rows, GEMV_WARPS / wpr);
+        int wpr = gemv_wpr(g, W), slots, blocks = gemv_blocks(g, W, wpr, &slots);
         GemvArgs a = {.out = out, .W = *W, .x = x, .wpr = wpr, .warm = next ? next->w : NULL, .warm_n = warm_bytes(next),
-                      .warm_from = blocks > g->gemv_slots ? blocks - g->gemv_slots : 0, .gs = gs ? *gs : GroupScale{NULL, 0, 1, 0.0f}};
+                      .warm_from = blocks > slots ? blocks - slots : 0, .gs = gs ? *gs : GroupScale{NULL, 0, 1, 0.0f}};
         LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, gemv_for(W->fmt, epi), a);
         return;
     }
@@ -2444,14 +2643,17 @@ static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, const 
     size_t bytes = md.k ? md.k * row_bytes(md.routed.W.fmt, md.routed.W.cols) : 0;
     for (int j = 0; j < md.nfixed; j++) bytes += row_bytes(md.fixed[j].W.fmt, md.fixed[j].W.cols);
     GMat shape = {NULL, DT_BF16, rows, (int)(bytes / 2), 0, NULL, NULL};
-    int wpr = gemv_wpr(g, &shape), blocks = cdiv(rows, GEMV_WARPS / wpr);
-    int f = fmt_class({md.k ? md.routed.W.fmt : md.fixed[0].W.fmt, md.nfixed ? md.fixed[0].W.fmt : md.routed.W.fmt,
-                       md.nfixed > 1 ? md.fixed[1].W.fmt : md.fixed[0].W.fmt});
+    int fmts[3] = {0}, nf = 0;
+    if (md.k) fmts[nf++] = md.routed.W.fmt;
+    for (int j = 0; j < md.nfixed; j++) fmts[nf++] = md.fixed[j].W.fmt;
+    int f = fmt_class(fmts, nf);
+    int q = f != DT_F32 && f != DT_BF16, wpr = q ? 1 : gemv_wpr(g, &shape), slots = q ? g->gemv_slots / 2 : g->gemv_slots;
+    int blocks = q ? cdiv(rows, GEMV_WARPS * QROWS) : cdiv(rows, GEMV_WARPS / wpr);
     void (*kernel)(float *, int, const int *, const MoeDown, int, const void *, size_t, int) =
         f == DT_F32 ? moe_down_kernel<DT_F32> : f == DT_BF16 ? moe_down_kernel<DT_BF16> : f == DT_FP8 ? moe_down_kernel<DT_FP8>
         : f == DT_NVFP4 ? moe_down_kernel<DT_NVFP4> : moe_down_kernel<FMT_ANY>;
     LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, kernel, out, rows, (const int *)g->moe_idx, md, wpr,
-           next ? (const void *)next->w : NULL, warm_bytes(next), blocks > g->gemv_slots ? blocks - g->gemv_slots : 0);
+           next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
 }
 
 /* out = the layer's partial sums for T tokens of x, given the choice in moe_idx, moe_w:
@@ -2471,12 +2673,12 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
     }
     if (T == 1) {
         MoeUp up = {.routed = {L->eup, z}, .m = m, .K = K, .shared = {L->sup, g->x}, .S = ms->S};
-        int f = fmt_class({L->eup.fmt, L->sup.fmt});
+        int fmts[2] = {L->eup.fmt, L->sup.fmt}, f = fmt_class(fmts, 2);
         void (*kernel)(float *, const int *, const float *, const MoeUp) =
             f == DT_F32 ? moe_up_kernel<DT_F32> : f == DT_BF16 ? moe_up_kernel<DT_BF16> : f == DT_FP8 ? moe_up_kernel<DT_FP8>
             : f == DT_NVFP4 ? moe_up_kernel<DT_NVFP4> : moe_up_kernel<FMT_ANY>;
-        LAUNCH(cdiv(ms->S + K * m, GEMV_WARPS), 32 * GEMV_WARPS, 0, g->stream, kernel, g->moe_h, (const int *)g->moe_idx,
-               (const float *)g->moe_w, up);
+        LAUNCH(cdiv(ms->S + K * m, GEMV_WARPS * (f == DT_F32 || f == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream, kernel,
+               g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);
         MoeIn routed = {L->edown, g->moe_h}, shared = {L->sdown, g->moe_h + (size_t)K * mp};
         if (ms->lat) {
             MoeIn fc2 = {L->lat_out, g->moe_ylat};

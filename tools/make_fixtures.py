@@ -95,7 +95,7 @@ FIXTURES = [
     dict(name="tiny-q-mixed-latent", store="bf16", layout="nvidia", shards=2, vocab=256, hidden=64,
          pattern="MEM*EME", heads=8, kv=2, head_dim=8, mlp=32, m_heads=8, m_hdim=8, groups=4, state=8,
          experts=12, top_k=3, n_group=4, topk_group=2, moe=32, shared=32, latent=32, norm_topk=True,
-         scale=5.0, prompt=27, gen=18, seed=22,
+         scale=5.0, prompt=16, gen=10, seed=22,
          quant=dict(algo="MIXED_PRECISION", kv="FP8", files="config", exclude=[], rules=[
                     ("*.mixer.experts.*", "NVFP4"), ("*.mixer.shared_experts.*", "FP8"),
                     ("backbone.layers.0.mixer.*_proj", "FP8"), ("backbone.layers.2.mixer.out_proj", "FP8"),
@@ -504,7 +504,7 @@ def reread_diff(d, f, seq, ref):
 
 def make(f):
     g = torch.Generator().manual_seed(f["seed"])
-    for attempt in range(30):
+    for attempt in range(60 if "quant" in f else 30):
         model = eager_experts(NemotronHForCausalLM(NemotronHConfig(**hf_kwargs(f))).float().eval())
         init_weights(model, f, g)
         # round to the stored dtype, so the fp32 reference sees exactly the weights nemoh reads
@@ -526,8 +526,8 @@ def make(f):
         print(f"{f['name']}: attempt {attempt}: HF cached path differs by {paths:.2e}, margin {margin:.2e}, "
               f"router margin {rmargin:.2e}, weak checks {weak}")
         # a quantized model's prompt runs on the GPU with bf16 operands: its router choices need more room
-        # (a margin of 1.5e-4 flipped one there, moving a logit by 1.86)
-        if margin > 2e-3 and rmargin > (1e-3 if quant else 2e-5) and 2 not in cont and not weak:
+        # (margins of 1.5e-4 and 1.5e-3 each flipped one there, moving logits by 1.86 and 0.88)
+        if margin > 2e-3 and rmargin > (4e-3 if quant else 2e-5) and 2 not in cont and not weak:
             break
     else:
         raise SystemExit(f"{f['name']}: no usable draw")
