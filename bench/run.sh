@@ -20,6 +20,12 @@ ALL=(
     "moe-2048|--random nemotron-3-nano-30b-a3b -P 2048 -n 16"
     "nano9b-32k|--random nemotron-nano-9b-v2 -P 32768 -n 64"
     "nano9b-128k|--random nemotron-nano-9b-v2 -P 131072 -n 64 -c 131136"
+    "8b-fp8|--random nemotron-h-8b-fp8 -P 2048 -n 128"
+    "8b-nvfp4|--random nemotron-h-8b-nvfp4 -P 2048 -n 128"
+    "moe-fp8|--random nemotron-3-nano-30b-a3b-fp8 -P 512 -n 256"
+    "moe-nvfp4|--random nemotron-3-nano-30b-a3b-nvfp4 -P 512 -n 256"
+    "super-nvfp4|--random nemotron-3-super-120b-a12b-nvfp4 -P 512 -n 128"
+    "super-fp8|--random nemotron-3-super-120b-a12b-fp8 -P 512 -n 64"
 )
 HF=(
     "nemotron-h-8b 512 256"
