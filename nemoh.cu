@@ -776,36 +776,35 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(const __grid_
 }
 
 /* The same for FP8 and NVFP4 W, out[i] = epi(s_i sum_k W[i][k] x[k]) with s_i the row's scale: a warp
- * takes R rows (rows_dot; R, or half as many where that leaves fewer blocks than the GPU holds:
- * gemv_rows); their first pieces before the wait. */
-template <int FMT, int EPI, int R>
+ * takes QROWS rows (rows_dot); their first pieces before the wait. */
+template <int FMT, int EPI>
 __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(FMT)) gemv_q_kernel(const __grid_constant__ GemvArgs a) {
     const GroupScale gs = a.gs;
     int rows = a.W.rows, cols = a.W.cols, lane = threadIdx.x & 31;
-    int row0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * R;
-    const char *wr[R];
-    const uint8_t *br[R];
-    Piece v[R];
+    int row0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * QROWS;
+    const char *wr[QROWS];
+    const uint8_t *br[QROWS];
+    Piece v[QROWS];
 #pragma unroll
-    for (int q = 0; q < R; q++) {
+    for (int q = 0; q < QROWS; q++) {
         int r = min(row0 + q, rows - 1);
         wr[q] = (const char *)a.W.w + (size_t)r * row_bytes(FMT, a.W.ld);
         br[q] = FMT == DT_NVFP4 ? a.W.bs + (size_t)r * (a.W.ld / 16) : NULL;
     }
-    rows_load<FMT, R>(v, wr, br, lane, cols / fmt_per(FMT));
+    rows_load<FMT, QROWS>(v, wr, br, lane, cols / fmt_per(FMT));
     pdl_wait();
     __shared__ float gsum[EPI == EPI_GNORM ? GNORM_PARTS : 1];
     if (EPI == EPI_GNORM) group_scales<32 * GEMV_WARPS>(gsum, gs, cols);
     auto sc = [&](int k) { return EPI == EPI_GNORM ? gsum[k / gs.gsize * gs.parts] : 1.0f; };   /* element k's scale */
-    float acc[R] = {}, mine = 0;   /* lane q keeps row q's sum */
-    rows_dot<FMT, R>(acc, wr, br, a.x, cols, lane, 32, v, sc);
+    float acc[QROWS] = {}, mine = 0;   /* lane q keeps row q's sum */
+    rows_dot<FMT, QROWS>(acc, wr, br, a.x, cols, lane, 32, v, sc);
 #pragma unroll
-    for (int q = 0; q < R; q++) {
+    for (int q = 0; q < QROWS; q++) {
         float t = warp_sum(acc[q]);
         if (lane == q) mine = t;
     }
     if ((int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
-    if (lane < R && row0 + lane < rows) {
+    if (lane < QROWS && row0 + lane < rows) {
         mine *= a.W.rs[row0 + lane];
         if (EPI == EPI_RELU2) { mine = fmaxf(mine, 0.0f); mine *= mine; }
         a.out[row0 + lane] = mine;
@@ -2381,29 +2380,25 @@ static void gemm(GpuRank *g, float *out, int ldo, const void *act, int lda, int 
     gemm_rows(g, out, ldo, act, lda, T, W, 0, W->rows, 0.0f);
 }
 
-/* Rows a warp of a quantized one-token product: QROWS, or QROWS / 2 where QROWS would leave fewer
- * blocks than the GPU holds at once (at 8 an SM; nemotron-h-8b's down_proj, 4096 rows: 512 blocks). */
-static int gemv_rows(const GpuRank *g, const GMat *W) { return cdiv(W->rows, GEMV_WARPS * QROWS) >= g->gemv_slots / 2 ? QROWS : QROWS / 2; }
-
-/* The one-token product's kernel for a format, an epilogue and (quantized) rows a warp. */
-template <int FMT, int R> static void (*gemv_for(int epi))(const GemvArgs) {
+/* The one-token product's kernel for a format and an epilogue. */
+template <int FMT> static void (*gemv_for(int epi))(const GemvArgs) {
     if constexpr (FMT == DT_FP8 || FMT == DT_NVFP4)
-        return epi == EPI_RELU2 ? gemv_q_kernel<FMT, EPI_RELU2, R> : epi == EPI_GNORM ? gemv_q_kernel<FMT, EPI_GNORM, R>
-                                                                                      : gemv_q_kernel<FMT, EPI_NONE, R>;
+        return epi == EPI_RELU2 ? gemv_q_kernel<FMT, EPI_RELU2> : epi == EPI_GNORM ? gemv_q_kernel<FMT, EPI_GNORM> : gemv_q_kernel<FMT, EPI_NONE>;
     else return epi == EPI_RELU2 ? gemv_kernel<FMT, EPI_RELU2> : epi == EPI_GNORM ? gemv_kernel<FMT, EPI_GNORM> : gemv_kernel<FMT, EPI_NONE>;
 }
-static void (*gemv_for(int fmt, int epi, int rows))(const GemvArgs) {
-    if (fmt == DT_F32 || fmt == DT_BF16) return fmt == DT_F32 ? gemv_for<DT_F32, 1>(epi) : gemv_for<DT_BF16, 1>(epi);
-    if (fmt == DT_FP8) return rows == QROWS ? gemv_for<DT_FP8, QROWS>(epi) : gemv_for<DT_FP8, QROWS / 2>(epi);
-    return rows == QROWS ? gemv_for<DT_NVFP4, QROWS>(epi) : gemv_for<DT_NVFP4, QROWS / 2>(epi);
+static void (*gemv_for(int fmt, int epi))(const GemvArgs) {
+    return fmt == DT_F32 ? gemv_for<DT_F32>(epi) : fmt == DT_BF16 ? gemv_for<DT_BF16>(epi) : fmt == DT_FP8 ? gemv_for<DT_FP8>(epi)
+                                                                                                        : gemv_for<DT_NVFP4>(epi);
 }
 
-/* Blocks of the one-token product of W (wpr warps a row; quantized: `rows` rows a warp), and how many
- * the GPU holds at once (quantized: half, at 8 blocks an SM). */
-static int gemv_blocks(const GpuRank *g, const GMat *W, int wpr, int rows, int *slots) {
+/* Blocks of the one-token product of W (wpr warps a row; quantized: QROWS rows a warp), and how many
+ * the GPU holds at once (quantized: half, at 8 blocks an SM). Fewer rows a warp where QROWS leave
+ * fewer blocks than that (nemotron-h-8b's down_proj: 512) measured slower on H200: 3.345 against
+ * 3.065 ms/token for nemotron-h-8b-fp8; NVFP4 rows then are bound by their x reads again. */
+static int gemv_blocks(const GpuRank *g, const GMat *W, int wpr, int *slots) {
     int q = W->fmt == DT_FP8 || W->fmt == DT_NVFP4;
     *slots = q ? g->gemv_slots / 2 : g->gemv_slots;
-    return q ? cdiv(W->rows, GEMV_WARPS * rows) : cdiv(W->rows, GEMV_WARPS / wpr);
+    return q ? cdiv(W->rows, GEMV_WARPS * QROWS) : cdiv(W->rows, GEMV_WARPS / wpr);
 }
 
 /* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2, or at T = 1
@@ -2412,10 +2407,10 @@ static int gemv_blocks(const GpuRank *g, const GMat *W, int wpr, int rows, int *
 static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi, const GMat *next,
                    const GroupScale *gs) {
     if (T == 1) {
-        int wpr = gemv_wpr(g, W), rows = gemv_rows(g, W), slots, blocks = gemv_blocks(g, W, wpr, rows, &slots);
+        int wpr = gemv_wpr(g, W), slots, blocks = gemv_blocks(g, W, wpr, &slots);
         GemvArgs a = {.out = out, .W = *W, .x = x, .wpr = wpr, .warm = next ? next->w : NULL, .warm_n = warm_bytes(next),
                       .warm_from = blocks > slots ? blocks - slots : 0, .gs = gs ? *gs : GroupScale{NULL, 0, 1, 0.0f}};
-        LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, gemv_for(W->fmt, epi, rows), a);
+        LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, gemv_for(W->fmt, epi), a);
         return;
     }
     int lda;

@@ -892,7 +892,7 @@ static void time_gemv(int rows, int cols, int fmt = DT_BF16) {
     for (int wpr = 1; wpr <= (fmt == DT_BF16 ? GEMV_WARPS : 0); wpr *= 2)
         printf(" %.1f", time_us(g.stream, 50, [&] {
             GemvArgs a = {.out = dout, .W = W, .x = dx, .wpr = wpr, .warm = nullptr, .warm_n = 0, .warm_from = 0, .gs = GroupScale{}};
-            LAUNCH(cdiv(rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g.stream, gemv_for(fmt, EPI_NONE, 1), a);
+            LAUNCH(cdiv(rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g.stream, gemv_for(fmt, EPI_NONE), a);
         }));
     printf(" us\n");
     free_mat(&W);
@@ -963,7 +963,7 @@ int main(int argc, char **argv) {
     test_matmul(DT_NVFP4, 130, 1008, 7, 0);
     test_matmul(DT_NVFP4, 77, 528, 130, 1);
     test_matmul(DT_FP8, 40000, 900, 3, 0);    /* more rows than deq holds at once: a prompt's product in two passes */
-    test_matmul(DT_FP8, 9001, 304, 1, 0);     /* enough rows for QROWS a warp (fewer take half as many) */
+    test_matmul(DT_FP8, 9001, 304, 1, 0);     /* more rows than a wave of blocks holds, not a multiple of QROWS */
     test_matmul(DT_NVFP4, 9001, 304, 1, 1);
     test_norms(1000, 3);
     test_norms(4099, 1);
