@@ -1654,9 +1654,16 @@ static void quant_load(QuantCfg *q, const char *dir) {
     JsonDoc doc = json_parse(text, len, path);
     const Json *qc = json_get(&doc.nodes[0], "quantization_config"), *m = qc ? json_get(qc, "quant_method") : NULL;
     if (qc && qc->type != J_NULL) {
-        if (!m || m->type != J_STR || strcmp(m->str, "modelopt"))
-            die("%s: quantization_config's quant_method %s%s%s is not supported (nemoh reads ModelOpt's FP8 and NVFP4 checkpoints)",
-                path, m && m->type == J_STR ? "\"" : "", m && m->type == J_STR ? m->str : "(missing)", m && m->type == J_STR ? "\"" : "");
+        if (!m || m->type != J_STR || strcmp(m->str, "modelopt")) {
+            /* the name copied and the text freed first: nothing live points at the text when die() exits,
+               and LeakSanitizer would count it lost */
+            char method[128] = "(missing)";
+            if (m && m->type == J_STR) snprintf(method, sizeof method, "\"%s\"", m->str);
+            json_free(&doc);
+            free(text);
+            die("%s: quantization_config's quant_method %s is not supported (nemoh reads ModelOpt's FP8 and NVFP4 checkpoints)",
+                path, method);
+        }
         QuantCfg c = {0};
         quant_parse(&c, qc, path, "ignore");
         if (q->algo && c.algo != q->algo) die("%s: quantization_config's quant_algo disagrees with %s", path, q->src);

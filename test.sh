@@ -30,6 +30,8 @@ full && check "build CPU engine with -fsanitize=address,undefined" \
 check "build test helpers" sh -c "cc -O2 -o $T/compare_logits tests/compare_logits.c -lm && cc -O2 -o $T/make_bad tests/make_bad.c"
 check "make broken variants (and accepted ones) of a good model" "$T/make_bad" tests/fixtures/tiny-bf16 "$T/bad"
 check "make broken variants of a good MoE model" "$T/make_bad" tests/fixtures/tiny-moe-latent-f32 "$T/bad-moe"
+check "make broken variants of a quantized model (NVFP4, MoE)" "$T/make_bad" tests/fixtures/tiny-q-nvfp4-moe "$T/bad-nvfp4"
+check "make broken variants of a quantized model (FP8, both configs; and one accepted)" "$T/make_bad" tests/fixtures/tiny-q-fp8 "$T/bad-fp8"
 
 # ---- Hugging Face fixtures: per-position logits and greedy tokens ----
 # fixture_run BIN DIR OUT [args...]: greedy continuation of the fixture's prompt, logits dumped to OUT
@@ -132,7 +134,7 @@ refuse_run() {
 }
 for bin in ./nemoh $(full && echo "$ASAN"); do
     tag=$([ "$bin" = ./nemoh ] && echo cpu || echo asan)
-    for set in bad bad-moe; do
+    for set in bad bad-moe bad-nvfp4 bad-fp8; do
         check "$tag $set input: the unmodified control model loads" "$bin" -m "$T/$set/good" --ids "1 2" -n 1
         for d in "$T/$set"/*; do
             [[ $(basename "$d") == good* ]] && continue
@@ -144,6 +146,8 @@ for bin in ./nemoh $(full && echo "$ASAN"); do
         done
     done
     check "$tag: 100000 empty tensors (an index naming them all) load within 20 s" timeout 20 "$bin" -m "$T/bad/good-many-empty" --ids "1 2" -n 1
+    check "$tag: an FP8 model with config.json's quantization_config alone (no hf_quant_config.json) loads" \
+        "$bin" -m "$T/bad-fp8/good-config-json-only" --ids "1 2" -n 1
     refuse "$tag bad input: missing model directory" "no such model directory" "$bin" -m "$T/nonexistent" --ids 1
     refuse "$tag bad input: token id >= vocab" "outside the vocabulary" "$bin" -m tests/fixtures/tiny-bf16 --ids "5 1200"
     refuse "$tag bad input: prompt longer than the context" "more than the context" "$bin" -m tests/fixtures/tiny-bf16 --ids "1 2 3 4 5" -c 4
@@ -152,6 +156,13 @@ for bin in ./nemoh $(full && echo "$ASAN"); do
     refuse "$tag bad input: missing flag value" "-m: missing value" "$bin" -m
     refuse "$tag bad input: bad token id list" "--ids: bad token id" "$bin" -m tests/fixtures/tiny-bf16 --ids "1 x"
     refuse "$tag bad input: --tp that does not divide the model" "valid: 1 2" "$bin" -m tests/fixtures/tiny-bf16 --ids 1 --tp 3
+    refuse "$tag bad input: --tp 3 on an NVFP4 model" "--tp 3: the rank count must divide mamba heads and n_groups; valid: 1 2" \
+        "$bin" -m tests/fixtures/tiny-q-nvfp4-moe --ids 1 --tp 3
+    refuse "$tag bad input: --tp 4 on an FP8 model" "--tp 4: the rank count must divide mamba heads and n_groups; valid: 1 2" \
+        "$bin" -m tests/fixtures/tiny-q-fp8 --ids 1 --tp 4
+    refuse "$tag bad input: --tp 3 on a MIXED_PRECISION model" "valid: 1 2 4" "$bin" -m tests/fixtures/tiny-q-mixed-latent --ids 1 --tp 3
+    refuse "$tag bad input: a --tp that cuts an NVFP4 block (--tp 4)" "which cuts a 16-element block" \
+        "$bin" --cpu -m tests/fixtures/tiny-q-mixed-latent --ids "1 2" -n 1 --tp 4
     refuse "$tag bad input: unwritable --dump-logits" "--dump-logits" "$bin" -m tests/fixtures/tiny-bf16 --ids 1 --dump-logits /nonexistent/x.bin
 done
 

@@ -2,8 +2,10 @@
  * bad-input tests in test.sh. Each directory gets a file `expect` holding a phrase nemoh's one-line
  * error must contain (and a file `at-run` when the error comes while generating, after nemoh's
  * "loaded" line). Every case differs from the good model in one thing only. A good model with
- * mixture-of-experts layers (n_routed_experts in its config) gets the MoE cases instead.
- *   make_bad GOOD_DIR OUT_DIR        (GOOD_DIR: config.json + model.safetensors) */
+ * mixture-of-experts layers (n_routed_experts in its config) gets the MoE cases instead, and a
+ * quantized one (ModelOpt: hf_quant_config.json or config.json's quantization_config) the quantized
+ * cases: scales, block scales, the config's algorithm and exclude list against the tensors.
+ *   make_bad GOOD_DIR OUT_DIR        (GOOD_DIR: config.json + model.safetensors [+ hf_quant_config.json]) */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -48,7 +50,7 @@ static size_t data_len;
 /* One case: a directory with a config, a safetensors file [u64 hlen][header][data] cut to `keep`
  * bytes (0: whole), and the phrase the error must contain. hdr == NULL: no safetensors file. */
 static void emit_data(const char *name, const char *expect, const char *config, const char *hdr, uint64_t hlen_field,
-                      size_t keep, const char *data) {
+                      size_t keep, const char *data, size_t data_len) {
     char dir[4096];
     snprintf(dir, sizeof dir, "%s/%s", out_root, name);
     mkdir(dir, 0755);
@@ -67,7 +69,7 @@ static void emit_data(const char *name, const char *expect, const char *config, 
 }
 
 static void emit(const char *name, const char *expect, const char *config, const char *hdr, uint64_t hlen_field, size_t keep) {
-    emit_data(name, expect, config, hdr, hlen_field, keep, data);
+    emit_data(name, expect, config, hdr, hlen_field, keep, data, data_len);
 }
 
 /* The good model with element i of tensor `tensor` set to the float f (stored in its dtype). */
@@ -83,7 +85,7 @@ static void emit_value(const char *name, const char *expect, const char *tensor,
     memcpy(&u, &f, 4);
     if (!strncmp(dt + 9, "F32", 3)) memcpy(d + b + 4 * i, &f, 4);
     else { uint16_t h = (uint16_t)(u >> 16); memcpy(d + b + 2 * i, &h, 2); }   /* BF16: NaN and Inf keep their kind */
-    emit_data(name, expect, good_config, header, 0, 0, d);
+    emit_data(name, expect, good_config, header, 0, 0, d, data_len);
     free(d);
     snprintf(key, sizeof key, "%s/%s", out_root, name);
     spit(key, "at-run", "", 0);   /* refused while generating: after the "loaded" line */
@@ -161,6 +163,206 @@ static void moe_cases(void) {
              replace(header, "fc1_latent_proj.weight\"", "fc1_latent_prox.weight\""), 0, 0);
 }
 
+/* ---- Quantized checkpoints (ModelOpt FP8 and NVFP4): a good model with hf_quant_config.json or a
+ * quantization_config in config.json gets these cases instead. Each names one projection's tensors. */
+
+static const char *good_hq;   /* the good model's hf_quant_config.json, or NULL */
+static char *qdata;           /* a case's data section: the good one, with tensors appended */
+static size_t qlen;
+
+/* A quantized case: config.json, hf_quant_config.json (NULL: none), the header and qdata. */
+static void emit_q(const char *name, const char *expect, const char *config, const char *hq, const char *hdr) {
+    char dir[4096];
+    emit_data(name, expect, config, hdr, 0, 0, qdata, qlen);
+    snprintf(dir, sizeof dir, "%s/%s", out_root, name);
+    if (hq) spit(dir, "hf_quant_config.json", hq, strlen(hq));
+}
+
+/* qdata back to the good data section. */
+static void qreset(void) {
+    free(qdata);
+    qdata = malloc(data_len);
+    memcpy(qdata, data, data_len);
+    qlen = data_len;
+}
+
+/* n bytes of `fill` appended to qdata, 8-aligned; their offset. */
+static size_t qappend(size_t n, int fill) {
+    size_t at = (qlen + 7) / 8 * 8;
+    qdata = realloc(qdata, at + n);
+    memset(qdata + qlen, 0, at - qlen);
+    memset(qdata + at, fill, n);
+    qlen = at + n;
+    return at;
+}
+
+/* The header entry {...} of tensor `name` in hdr: its start and end (the '{' and past the '}'). */
+static const char *entry(const char *hdr, const char *name, const char **end) {
+    char key[512];
+    snprintf(key, sizeof key, "\"%s\":{", name);
+    const char *at = strstr(hdr, key);
+    if (!at) { fprintf(stderr, "make_bad: no tensor %s\n", name); exit(2); }
+    at += strlen(key) - 1;
+    *end = strchr(at, '}') + 1;
+    return at;
+}
+
+/* The data offset of tensor `name` in the good header. */
+static size_t tensor_offset(const char *name) {
+    const char *end, *at = entry(header, name, &end);
+    return (size_t)strtoull(strstr(at, "\"data_offsets\":[") + 16, NULL, 10);
+}
+
+/* hdr with tensor `name` given a new dtype, shape ("8,48") and bytes [b, e) of the data section. */
+static char *retensor(const char *hdr, const char *name, const char *dtype, const char *shape, size_t b, size_t e) {
+    const char *end, *at = entry(hdr, name, &end);
+    char *out = malloc(strlen(hdr) + 256);
+    sprintf(out, "%.*s{\"dtype\":\"%s\",\"shape\":[%s],\"data_offsets\":[%zu,%zu]}%s", (int)(at - hdr), hdr, dtype, shape, b, e, end);
+    return out;
+}
+
+/* hdr with one more tensor entry (appended data of n bytes of `fill`, in qdata). */
+static char *add_tensor(const char *hdr, const char *name, const char *dtype, const char *shape, size_t n, int fill) {
+    size_t b = qappend(n, fill);
+    char *e = malloc(strlen(name) + 256);
+    sprintf(e, "\"%s\":{\"dtype\":\"%s\",\"shape\":[%s],\"data_offsets\":[%zu,%zu]},", name, dtype, shape, b, b + n);
+    char *out = malloc(strlen(hdr) + strlen(e) + 1);
+    sprintf(out, "{%s%s", e, hdr + 1);
+    free(e);
+    return out;
+}
+
+/* The good model with the F32 scale `tensor` set to f. */
+static void emit_scale(const char *name, const char *expect, const char *tensor, float f) {
+    qreset();
+    memcpy(qdata + tensor_offset(tensor), &f, 4);
+    emit_q(name, expect, good_config, good_hq, header);
+}
+
+/* The good model with byte i of tensor `tensor` set to v. */
+static void emit_byte(const char *name, const char *expect, const char *tensor, size_t i, int v) {
+    qreset();
+    qdata[tensor_offset(tensor) + i] = (char)v;
+    emit_q(name, expect, good_config, good_hq, header);
+}
+
+static void quant_cases(void) {
+    const char *M = "backbone.layers.0.mixer.in_proj";   /* a quantized Mamba in_proj in both fixtures */
+    char t[256], t2[256], msg[1024];
+    int nvfp4 = strstr(header, "\"backbone.layers.0.mixer.in_proj.weight\":{\"dtype\":\"U8\"") != NULL;
+    qreset();
+    emit_q("good", "", good_config, good_hq, header);   /* the control: must load */
+    if (nvfp4) {   /* in_proj: U8 [200, 24], weight_scale F8_E4M3 [200, 3], weight_scale_2 F32 [] */
+        snprintf(t, sizeof t, "%s.weight_scale", M);
+        snprintf(msg, sizeof msg, "%s: block scale [5, 1] is 0x7F, a NaN", t);
+        emit_byte("q-block-scale-7f", msg, t, 5 * 3 + 1, 0x7F);
+        snprintf(msg, sizeof msg, "%s: block scale [199, 2] is 0xFF, a NaN", t);
+        emit_byte("q-block-scale-ff", msg, t, 199 * 3 + 2, 0xFF);
+        size_t b = tensor_offset(t);
+        qreset();
+        snprintf(msg, sizeof msg, "%s has shape [3,200], config implies [200,3]", t);
+        emit_q("q-block-scale-shape", msg, good_config, good_hq, retensor(header, t, "F8_E4M3", "3,200", b, b + 600));
+        snprintf(msg, sizeof msg, "%s has dtype U8; NVFP4 block scales are F8_E4M3", t);   /* MXFP8-like: E8M0 bytes */
+        emit_q("q-block-scale-u8", msg, good_config, good_hq, retensor(header, t, "U8", "200,3", b, b + 600));
+        snprintf(msg, sizeof msg, "%s.weight is U8 but %s.weight_scale is missing", M, M);
+        emit_q("q-no-block-scale", msg, good_config, good_hq, replace(header, "in_proj.weight_scale\"", "in_proj.weight_scalx\""));
+        snprintf(msg, sizeof msg, "%s.weight is U8 (NVFP4) but %s.weight_scale_2 is missing", M, M);
+        emit_q("q-no-scale-2", msg, good_config, good_hq, replace(header, "in_proj.weight_scale_2\"", "in_proj.weight_scale_x\""));
+        snprintf(t2, sizeof t2, "%s.weight_scale_2", M);
+        snprintf(msg, sizeof msg, "%s is nan, not a finite scale >= 0", t2);
+        emit_scale("q-scale-2-nan", msg, t2, NAN);
+        snprintf(msg, sizeof msg, "%s is -0.5, not a finite scale >= 0", t2);
+        emit_scale("q-scale-2-negative", msg, t2, -0.5f);
+        qreset();
+        b = qappend(200 * 4, 0x3F);   /* one scale per row (about 0.75 each) */
+        snprintf(msg, sizeof msg, "%s must be one F32 value (shape [] or [1])", t2);
+        emit_q("q-scale-2-per-channel", msg, good_config, good_hq, retensor(header, t2, "F32", "200", b, b + 800));
+        qreset();
+        snprintf(t, sizeof t, "%s.pre_quant_scale", M);   /* AWQ: a per-input-channel scale beside the weight */
+        snprintf(msg, sizeof msg, "%s: AWQ's pre-quantization scales are not supported", t);
+        emit_q("q-pre-quant-scale", msg, good_config, good_hq, add_tensor(header, t, "F32", "48", 48 * 4, 0x3F));
+        /* a router stored F8_E4M3 (the BF16 bytes' first half): routers are never quantized */
+        const char *g = "backbone.layers.1.mixer.gate.weight";
+        qreset();
+        b = tensor_offset(g);
+        snprintf(msg, sizeof msg, "%s has dtype F8_E4M3; nemoh reads it as F32, BF16 or F16", g);
+        emit_q("q-router-fp8", msg, good_config, good_hq, retensor(header, g, "F8_E4M3", "8,48", b, b + 8 * 48));
+        /* the shared experts 40 wide (layer 1's up_proj rewritten [40, 48] NVFP4): down_proj's rows
+           of 40 elements cannot be cut into blocks of 16 */
+        qreset();
+        const char *su = "backbone.layers.1.mixer.shared_experts.up_proj";
+        snprintf(t, sizeof t, "%s.weight", su);
+        size_t wb = qappend(40 * 24, 0x22);
+        char *h = retensor(header, t, "U8", "40,24", wb, wb + 40 * 24);
+        snprintf(t, sizeof t, "%s.weight_scale", su);
+        size_t sb = qappend(40 * 3, 0x38);   /* e4m3 1.0 */
+        h = retensor(h, t, "F8_E4M3", "40,3", sb, sb + 40 * 3);
+        emit_q("q-k-not-16", "backbone.layers.1.mixer.shared_experts.down_proj.weight is NVFP4, in blocks of 16, but its rows have 40 elements",
+               config_set("moe_shared_expert_intermediate_size", 40), good_hq, h);
+    } else {   /* FP8 in_proj: F8_E4M3 [200, 64], weight_scale F32 [], input_scale F32 [] */
+        snprintf(t, sizeof t, "%s.weight_scale", M);
+        snprintf(msg, sizeof msg, "%s.weight is F8_E4M3 but %s.weight_scale is missing", M, M);
+        qreset();
+        emit_q("q-no-weight-scale", msg, good_config, good_hq, replace(header, "in_proj.weight_scale\"", "in_proj.weight_scalx\""));
+        size_t b = qappend(200 * 4, 0x3C);   /* one scale per output channel: FP8_PER_CHANNEL_PER_TOKEN's */
+        snprintf(msg, sizeof msg, "%s must be one F32 value (shape [] or [1])", t);
+        emit_q("q-per-channel-scale", msg, good_config, good_hq, retensor(header, t, "F32", "200", b, b + 800));
+        snprintf(msg, sizeof msg, "%s is nan, not a finite scale >= 0", t);
+        emit_scale("q-scale-nan", msg, t, NAN);
+        snprintf(msg, sizeof msg, "%s is -0.25, not a finite scale >= 0", t);
+        emit_scale("q-scale-negative", msg, t, -0.25f);
+        snprintf(t, sizeof t, "%s.input_scale", M);
+        snprintf(msg, sizeof msg, "%s is inf, not a finite scale >= 0", t);
+        emit_scale("q-input-scale-inf", msg, t, INFINITY);
+        snprintf(t, sizeof t, "backbone.layers.3.mixer.k_proj.k_scale");
+        snprintf(msg, sizeof msg, "%s is -1, not a finite scale >= 0", t);
+        emit_scale("q-k-scale-negative", msg, t, -1.0f);
+        qreset();
+        snprintf(t, sizeof t, "%s.weight_scale_2", M);
+        snprintf(msg, sizeof msg, "%s: an FP8 weight with a weight_scale_2 is not per-tensor FP8", t);
+        emit_q("q-fp8-scale-2", msg, good_config, good_hq, add_tensor(header, t, "F32", "", 4, 0x3F));
+    }
+
+    /* the quantization config: hf_quant_config.json's "quantization" object, config.json's quantization_config */
+    const char *algo = nvfp4 ? "\"quant_algo\": \"NVFP4\"" : "\"quant_algo\": \"FP8\"";
+    qreset();
+    if (good_hq) {
+        const char *other = nvfp4 ? "NVFP4_AWQ" : "FP8_PER_CHANNEL_PER_TOKEN";
+        char to[96];
+        snprintf(to, sizeof to, "\"quant_algo\": \"%s\"", other);
+        snprintf(msg, sizeof msg, "hf_quant_config.json: quant_algo \"%s\" is not supported", other);
+        emit_q("q-hf-algo-unknown", msg, good_config, replace(good_hq, algo, to), header);
+        emit_q("q-hf-mixed-no-layers", "hf_quant_config.json: MIXED_PRECISION needs a quantized_layers object", good_config,
+               replace(good_hq, algo, "\"quant_algo\": \"MIXED_PRECISION\""), header);
+        if (!strstr(good_config, "\"quantization_config\"")) {   /* then the tensors stand without any config */
+            snprintf(msg, sizeof msg, "%s.weight is %s but the checkpoint has no quantization config", M, nvfp4 ? "U8" : "F8_E4M3");
+            emit_q("q-no-quant-config", msg, good_config, NULL, header);
+        } else   /* config.json's quantization_config alone: accepted */
+            emit_q("good-config-json-only", "", good_config, NULL, header);
+        /* the exclude list: lm_head (BF16) quantized by omission; a quantized module excluded */
+        char *hq = replace(good_hq, strstr(good_hq, ",\n      \"lm_head\"") ? ",\n      \"lm_head\"" : "\n      \"lm_head\",", "");
+        char *cfg = strstr(good_config, "\"ignore\"") ? replace(good_config, "\n      \"lm_head\",", "") : (char *)good_config;
+        snprintf(msg, sizeof msg, "hf_quant_config.json makes lm_head %s", nvfp4 ? "NVFP4" : "FP8");
+        emit_q("q-bf16-called-quantized", msg, cfg, hq, header);
+        snprintf(t, sizeof t, "\"exclude_modules\": [\n      \"%s\",", M);
+        snprintf(msg, sizeof msg, "hf_quant_config.json makes %s unquantized", M);
+        emit_q("q-quantized-excluded", msg, good_config, replace(good_hq, "\"exclude_modules\": [", t), header);
+        if (nvfp4) emit_q("q-group-32", "hf_quant_config.json: group_size must be 16 for NVFP4", good_config,
+                          replace(good_hq, "\"group_size\": 16", "\"group_size\": 32"), header);
+    }
+    if (strstr(good_config, "\"quantization_config\"")) {
+        emit_q("q-config-algo-unknown", "config.json: quant_algo \"W8A8_SQ_PER_CHANNEL\" is not supported",
+               replace(good_config, algo, "\"quant_algo\": \"W8A8_SQ_PER_CHANNEL\""), good_hq, header);
+        emit_q("q-method-compressed-tensors", "quantization_config's quant_method \"compressed-tensors\" is not supported",
+               replace(good_config, "\"quant_method\": \"modelopt\"", "\"quant_method\": \"compressed-tensors\""), good_hq, header);
+        emit_q("q-method-gptq", "quantization_config's quant_method \"gptq\" is not supported",
+               replace(good_config, "\"quant_method\": \"modelopt\"", "\"quant_method\": \"gptq\""), good_hq, header);
+        if (good_hq)
+            emit_q("q-configs-disagree", "config.json: quantization_config's quant_algo disagrees with",
+                   replace(good_config, algo, nvfp4 ? "\"quant_algo\": \"FP8\"" : "\"quant_algo\": \"NVFP4\""), good_hq, header);
+    }
+}
+
 /* The data_offsets numbers of the k-th tensor in the header. */
 static void offsets(int k, unsigned long long *b, unsigned long long *e) {
     const char *p = header;
@@ -192,6 +394,12 @@ int main(int argc, char **argv) {
     data = st + 8 + hl;
     data_len = n - 8 - hl;
 
+    snprintf(path, sizeof path, "%s/hf_quant_config.json", argv[1]);
+    if (access(path, R_OK) == 0) good_hq = slurp(path, &n);
+    if (good_hq || strstr(good_config, "\"quantization_config\"")) {
+        quant_cases();
+        return 0;
+    }
     if (strstr(good_config, "\"n_routed_experts\"")) {
         moe_cases();
         return 0;

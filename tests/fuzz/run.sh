@@ -29,9 +29,10 @@ done
 S=$OUT/seeds
 rm -rf "$S" && mkdir -p "$S/config" "$S/safetensors" "$S/tokenizer" "$S/roundtrip" "$S/decode"
 for f in weights/config.json tests/fixtures/*/config.json; do cp "$f" "$S/config/$(echo "$f" | tr / _)"; done
-for f in tests/fixtures/*/*.safetensors; do
-    hlen=$(od -An -t u8 -N8 "$f" | tr -d ' ')
-    tail -c +9 "$f" | head -c "$hlen" > "$S/safetensors/$(echo "$f" | tr / _)"
+for f in tests/fixtures/*/*.safetensors; do   # padded with 0, 8, .. 184 spaces: fuzz_safetensors reads its size
+    hlen=$(od -An -t u8 -N8 "$f" | tr -d ' ') name=$S/safetensors/$(echo "$f" | tr / _)
+    tail -c +9 "$f" | head -c "$hlen" > "$name"
+    for pad in $(seq 8 8 184); do { cat "$name"; printf "%${pad}s" ""; } > "$name.$pad"; done
 done
 cp tests/fuzz/*.tokenizer.json "$S/tokenizer/"
 for h in $NAMES; do cp tests/fuzz/regress/$h/* "$S/$h/" 2>/dev/null; done   # inputs that once failed
@@ -42,7 +43,7 @@ for id in $(cat tests/fixtures/default-ref/ids.txt); do
     printf "\\x$(printf %02x $((id & 255)))\\x$(printf %02x $((id >> 8 & 255)))\\x$(printf %02x $((id >> 16 & 255)))\\x00"
 done > "$S/decode/default-ref"
 
-declare -A maxlen=([config]=4096 [safetensors]=16384 [tokenizer]=8192 [roundtrip]=4096 [decode]=4096)
+declare -A maxlen=([config]=4096 [safetensors]=32768 [tokenizer]=8192 [roundtrip]=4096 [decode]=4096)
 for h in $NAMES; do
     mkdir -p "$OUT/corpus/$h"
     nice -n 19 "$OUT/fuzz_$h" -max_total_time="$SECONDS_EACH" -timeout=60 -rss_limit_mb=4096 -max_len="${maxlen[$h]}" \
