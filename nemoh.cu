@@ -648,18 +648,10 @@ template <int FMT> __device__ __forceinline__ float row_dot(const char *row, con
     return acc + row_tail<FMT>(row, bs, x, nvec * per + first, cols, st, [](int) { return 1.0f; });
 }
 
-/* The same for a matrix whose format is known at run time (warp-uniform), of a kernel compiled for
- * format F: one of them, or FMT_ANY. The expert kernels read matrices of several formats in one launch
- * (NVFP4 experts beside an FP8 shared expert and a bf16 fc2); a model of one format keeps kernels that
- * decode only it (the others' code costs registers). */
+/* The class of formats an expert kernel is compiled for: one format, or FMT_ANY. The expert kernels
+ * read matrices of several formats in one launch (NVFP4 experts beside an FP8 shared expert and a bf16
+ * fc2); a model of one format keeps kernels that decode only it (the others' code costs registers). */
 enum { FMT_ANY = 99 };
-template <int F>
-__device__ __forceinline__ float row_dot_fmt(int fmt, const char *row, const uint8_t *bs, const float *x, int cols, int c, int st) {
-    if (F == DT_F32 || (F == FMT_ANY && fmt == DT_F32)) return row_dot<DT_F32>(row, bs, x, cols, c, st);
-    if (F == DT_BF16 || (F == FMT_ANY && fmt == DT_BF16)) return row_dot<DT_BF16>(row, bs, x, cols, c, st);
-    if (F == DT_FP8 || fmt == DT_FP8) return row_dot<DT_FP8>(row, bs, x, cols, c, st);
-    return row_dot<DT_NVFP4>(row, bs, x, cols, c, st);
-}
 
 /* Quantized rows are read QROWS a warp, each piece's x once for all of them: a warp a row is bound
  * by its x reads there, not by the weights (a lane's 16 bytes of FP8 meet 64 bytes of x, NVFP4's
@@ -2006,7 +1998,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(F)) moe_up_ke
         if (r >= S + u.K * m) return;
         MoeUpRow v = moe_up_row(u, idx, wt, r);
         if (r >= S) l2_row(v.row.w, row_bytes(v.W->fmt, v.W->cols), lane, 32);
-        float acc = fmaxf(warp_sum(row_dot_fmt<F>(v.W->fmt, v.row.w, v.row.bs, v.x, v.W->cols, lane, 32)) * v.row.scale, 0.0f);
+        float acc = fmaxf(warp_sum(row_dot<F>(v.row.w, v.row.bs, v.x, v.W->cols, lane, 32)) * v.row.scale, 0.0f);
         if (lane == 0) h[v.at] = v.wt * acc * acc;
     }
 }
@@ -2074,29 +2066,29 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(F)) moe_down_
         }
         if ((int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
         if (lane < QROWS && row0 + lane < rows) out[row0 + lane] = mine;
-        return;
-    }
-    int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr;
-    auto seg = [&](int j) { return moe_row(*mat[j], r0[j] + row); };
-    auto seg_bytes = [&](int j) { return row_bytes(mat[j]->fmt, mat[j]->cols); };
-    if (row < rows && n) l2_row(seg(0).w, seg_bytes(0), first, st);
-    pdl_wait();
-    float acc = 0;
-    if (row < rows)
-        for (int j = 0; j < n; j++) {
-            if (j + 1 < n) l2_row(seg(j + 1).w, seg_bytes(j + 1), first, st);
-            MoeRow s = seg(j);
-            acc += row_dot_fmt<F>(mat[j]->fmt, s.w, s.bs, xs[j], mat[j]->cols, first, st) * s.scale;
+    } else {
+        int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr;
+        auto seg = [&](int j) { return moe_row(*mat[j], r0[j] + row); };
+        auto seg_bytes = [&](int j) { return row_bytes(mat[j]->fmt, mat[j]->cols); };
+        if (row < rows && n) l2_row(seg(0).w, seg_bytes(0), first, st);
+        pdl_wait();
+        float acc = 0;
+        if (row < rows)
+            for (int j = 0; j < n; j++) {
+                if (j + 1 < n) l2_row(seg(j + 1).w, seg_bytes(j + 1), first, st);
+                MoeRow s = seg(j);
+                acc += row_dot<F>(s.w, s.bs, xs[j], mat[j]->cols, first, st) * s.scale;
+            }
+        acc = warp_sum(acc);
+        if ((int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
+        if (wpr > 1) {
+            if (lane == 0) red[warp] = acc;
+            __syncthreads();
+            if (part) return;
+            for (int k = 1; k < wpr; k++) acc += red[warp + k];
         }
-    acc = warp_sum(acc);
-    if ((int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
-    if (wpr > 1) {
-        if (lane == 0) red[warp] = acc;
-        __syncthreads();
-        if (part) return;
-        for (int k = 1; k < wpr; k++) acc += red[warp + k];
+        if (lane == 0 && row < rows) out[row] = acc;
     }
-    if (lane == 0 && row < rows) out[row] = acc;
 }
 
 /* A prompt's TK = T K (token, slot) pairs p = t K + k, grouped by expert and in p order within one:
