@@ -38,7 +38,9 @@ typedef struct {
     int vocab;                  /* vocab_size */
     int hidden;                 /* hidden_size */
     int n_layers;               /* number of blocks */
-    char kind[MAX_LAYERS];      /* [n_layers] K_MAMBA, K_ATTN, K_MLP or K_MOE */
+    int n_mtp;                  /* sublayers of the multi-token prediction block (0: none) */
+    char kind[MAX_LAYERS];      /* [n_layers + n_mtp] K_MAMBA, K_ATTN, K_MLP or K_MOE: the blocks, then
+                                   the MTP block's sublayers (attention, MLP or MoE) */
     float eps;                  /* RMSNorm epsilon (all norms) */
     int n_heads, n_kv, head_dim;  /* attention: query heads, key/value heads, head size */
     int mlp;                    /* MLP intermediate size */
@@ -137,7 +139,11 @@ typedef struct {
     Mat embed;                  /* [vocab, hidden] embedding table, full on every rank */
     Mat lm_head;                /* [vocab/n, hidden] this rank's rows */
     float *norm_f;              /* [hidden] fp32 final norm weight */
-    Layer layer[MAX_LAYERS];    /* [n_layers] */
+    Layer layer[MAX_LAYERS];    /* [n_layers + n_mtp]: the blocks, then the MTP block's sublayers */
+    /* multi-token prediction (n_mtp > 0); embed and lm_head are the model's own */
+    float *enorm, *hnorm;       /* [hidden] fp32 RMSNorm weights: on a token's embedding, on a hidden state */
+    Mat eh_proj;                /* [hidden, 2 * hidden] on [enorm(embed) ; hnorm(h)], replicated */
+    float *mtp_norm;            /* [hidden] fp32 final_layernorm weight, the block's last */
 } Weights;
 
 /* ------------------------------------------------------------------------------------------------
@@ -150,6 +156,12 @@ enum {
     NORM_ADD,                   /* residual += pending (already reduced); x = rmsnorm(residual)*w */
     NORM_FUSED                  /* residual += allreduce(pending); x = rmsnorm(residual) * w   */
 };
+
+/* The norms that are not a layer's own, as be->norm's layer argument. */
+enum { NORM_F = -1, NORM_MTP_F = -2 };
+
+/* Which forward runs: the model's, or the MTP block's (a backend may keep a CUDA graph for each). */
+enum { PASS_MAIN, PASS_MTP };
 
 typedef struct Rank Rank;
 
@@ -164,19 +176,27 @@ typedef struct {
     void (*begin)(Rank *r, const int *tok, int T, int pos);  /* optional: before the layer loop */
     void (*end)(Rank *r, int T);                        /* optional: after the layer loop */
     void (*embed)(Rank *r, const int *tok, int T);      /* residual[t] = embed[tok[t]] */
-    void (*norm)(Rank *r, int l, int how, int T);       /* l == n_layers means norm_f */
+    void (*norm)(Rank *r, int l, int how, int T);       /* layer l's, or NORM_F, NORM_MTP_F */
     void (*mamba)(Rank *r, int l, int T, int pos);      /* pending = out_proj(...) partial sums */
     void (*attention)(Rank *r, int l, int T, int pos);
     void (*mlp)(Rank *r, int l, int T);
     void (*allreduce)(Rank *r, int T);                  /* pending = sum over ranks of pending */
     void (*logits)(Rank *r, int T, int all);            /* last (or every) row's logits, gathered */
-    int (*sample)(Rank *r, float temp, float topp, uint64_t seed, uint64_t step);
+    /* out[j] = a token drawn from the j-th of the last n logits rows with coin(seed, step + j);
+     * -1 where a row is not finite */
+    void (*sample)(Rank *r, int n, float temp, float topp, uint64_t seed, uint64_t step, int *out);
     const float *(*host_logits)(Rank *r, int rows);     /* the logits rows, readable on the host */
     void (*moe)(Rank *r, int l, int T);                 /* routed + shared experts' partial sums; NULL:
                                                            this backend has no mixture-of-experts layers */
     /* Every Mamba layer's conv window and SSM state into slot (< SNAPSHOT_SLOTS), or back, on the
      * state's own device; the KV cache needs no copy: positions past the resumed one are rewritten. */
     void (*snapshot)(Rank *r, int slot, int save);      /* recurrent state to snapshot slot, or back */
+    /* Multi-token prediction. mtp_in: residual[t] = eh_proj([enorm(embed[tok[t]]) ; hnorm(x[row + t])])
+     * for t < T, x as the last forward's final norm left it (the model's h, or the block's own output).
+     * rewind: every Mamba layer's conv window and SSM state := the one after token t of the last
+     * forward run with r->keep set (t <= r->spec). */
+    void (*mtp_in)(Rank *r, const int *tok, int T, int row);
+    void (*rewind)(Rank *r, int t);
 } Backend;
 
 struct Rank {
@@ -192,6 +212,9 @@ struct Rank {
     int trace;                  /* print what each layer of the next single-token step runs */
     int gpu;                    /* device index (CUDA backend) */
     int graph;                  /* capture the single-token step once as a CUDA graph and replay it */
+    int spec;                   /* most draft tokens one step verifies (0: none); states for spec + 1 */
+    int keep;                   /* 1: the next forward records each token's recurrent state (rewind) */
+    int pass;                   /* PASS_MAIN or PASS_MTP: the forward now running */
 };
 
 /* ------------------------------------------------------------------------------------------------
@@ -212,8 +235,10 @@ int cuda_bench_allreduce(int n, int hidden);    /* --bench-allreduce; returns th
  * Small math shared by host and device
  * ---------------------------------------------------------------------------------------------- */
 
+/* The blocks and the MTP block's sublayers: the layers every backend keeps weights and state for. */
+static inline int n_all(const Config *c) { return c->n_layers + c->n_mtp; }
 /* 1 if some layer of the model is of kind k (K_MAMBA, ...). */
-static inline int has_kind(const Config *c, char k) { return memchr(c->kind, k, (size_t)c->n_layers) != NULL; }
+static inline int has_kind(const Config *c, char k) { return memchr(c->kind, k, (size_t)n_all(c)) != NULL; }
 /* A layer kind's name, in messages and --trace. */
 static inline const char *kind_name(char k) { return k == K_MAMBA ? "mamba" : k == K_ATTN ? "attention" : k == K_MLP ? "mlp" : "moe"; }
 
