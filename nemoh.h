@@ -30,6 +30,7 @@ extern "C" {
 enum { DT_F32, DT_BF16, DT_F16, DT_FP8, DT_U8, DT_NVFP4 };
 enum { MAX_LAYERS = 512, MAX_EOS = 8 };
 enum { SNAPSHOT_SLOTS = 2 };        /* saved recurrent states a rank keeps for --chat */
+enum { SPEC_MAX = 8 };              /* most draft tokens one step verifies (--mtp) */
 
 /* Layer kinds: the letters of the layer pattern, so a kind compares equal to its character literal. */
 enum { K_MAMBA = 'M', K_ATTN = '*', K_MLP = '-', K_MOE = 'E' };
