@@ -210,9 +210,12 @@ typedef struct {
     float *y;                   /* [t_max, max(d_inner, q*head_dim)] mixer output before out_proj */
     float *hist;                /* [d_conv - 1 + t_max] one conv channel's input history */
     float *att;                 /* [ctx] attention weights of one query */
-    float **conv;               /* [n_layers] Mamba: [conv, d_conv-1] last inputs, oldest first */
-    float **ssm;                /* [n_layers] Mamba: [m_heads, m_hdim, d_state] fp32 state */
-    float **k, **v;             /* [n_layers] attention: [ctx, kv*head_dim] cache */
+    float **conv;               /* [n_all] Mamba: [conv, d_conv-1] last inputs, oldest first */
+    float **ssm;                /* [n_all] Mamba: [m_heads, m_hdim, d_state] fp32 state */
+    float **k, **v;             /* [n_all] attention: [ctx, kv*head_dim] cache */
+    float **keep;               /* [n_all] Mamba, with drafting: [spec + 1] states after each token of a
+                                   forward run with r->keep, each conv then ssm */
+    float *eh;                  /* [t_max, 2 * hidden] MTP: [enorm(embed) ; hnorm(h)] */
     float *snap;                /* [SNAPSHOT_SLOTS, snap_n] saved conv windows + SSM states, made at first save */
     size_t snap_n;              /* floats of one snapshot: every Mamba layer's conv then ssm */
     int proj_w;                 /* columns of proj */
@@ -303,14 +306,18 @@ static void cpu_init(Rank *r) {
     st->y = xcalloc(T * (size_t)(yw ? yw : 1), sizeof(float));
     st->hist = xcalloc((size_t)c->d_conv + T, sizeof(float));
     st->att = xcalloc((size_t)r->ctx, sizeof(float));
-    st->conv = xcalloc((size_t)c->n_layers, sizeof(float *));
-    st->ssm = xcalloc((size_t)c->n_layers, sizeof(float *));
-    st->k = xcalloc((size_t)c->n_layers, sizeof(float *));
-    st->v = xcalloc((size_t)c->n_layers, sizeof(float *));
-    for (int l = 0; l < c->n_layers; l++) {
+    size_t nl = (size_t)n_all(c), nc = (size_t)s->conv * (size_t)(c->d_conv - 1), ns = (size_t)s->d_inner * (size_t)c->d_state;
+    st->conv = xcalloc(nl, sizeof(float *));
+    st->ssm = xcalloc(nl, sizeof(float *));
+    st->k = xcalloc(nl, sizeof(float *));
+    st->v = xcalloc(nl, sizeof(float *));
+    st->keep = xcalloc(nl, sizeof(float *));
+    if (c->n_mtp) st->eh = xcalloc(T * 2 * hidden, sizeof(float));
+    for (int l = 0; l < n_all(c); l++) {
         if (c->kind[l] == K_MAMBA) {
-            st->conv[l] = xcalloc((size_t)s->conv * (size_t)(c->d_conv - 1), sizeof(float));
-            st->ssm[l] = xcalloc((size_t)s->d_inner * (size_t)c->d_state, sizeof(float));
+            st->conv[l] = xcalloc(nc, sizeof(float));
+            st->ssm[l] = xcalloc(ns, sizeof(float));
+            if (r->spec) st->keep[l] = xcalloc((size_t)(r->spec + 1) * (nc + ns), sizeof(float));
         } else if (c->kind[l] == K_ATTN) {
             st->k[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
             st->v[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
@@ -336,8 +343,8 @@ static void cpu_init(Rank *r) {
 
 static void cpu_free(Rank *r) {
     CpuState *st = r->st;
-    for (int l = 0; l < r->c->n_layers; l++) { free(st->conv[l]); free(st->ssm[l]); free(st->k[l]); free(st->v[l]); }
-    free(st->conv); free(st->ssm); free(st->k); free(st->v);
+    for (int l = 0; l < n_all(r->c); l++) { free(st->conv[l]); free(st->ssm[l]); free(st->k[l]); free(st->v[l]); free(st->keep[l]); }
+    free(st->conv); free(st->ssm); free(st->k); free(st->v); free(st->keep); free(st->eh);
     free(st->res); free(st->x); free(st->pend); free(st->sum); free(st->proj); free(st->xbc); free(st->y);
     free(st->hist); free(st->att); free(st->snap);
     free(st->route); free(st->route_w); free(st->escore); free(st->ez); free(st->eacc); free(st->ein); free(st->eout);
@@ -378,7 +385,7 @@ static void cpu_allreduce(Rank *r, int T) {
 static void cpu_norm(Rank *r, int l, int how, int T) {
     CpuState *st = r->st;
     int hidden = r->c->hidden;
-    const float *w = l < r->c->n_layers ? r->w.layer[l].norm : r->w.norm_f;
+    const float *w = l == NORM_F ? r->w.norm_f : l == NORM_MTP_F ? r->w.mtp_norm : r->w.layer[l].norm;
     const float *add = how == NORM_PLAIN ? NULL : st->pend;
     if (how == NORM_FUSED) add = host_allreduce(r, st->sum, T);   /* the deferred all-reduce, then add + norm */
     CpuShared *sh = r->sh;
@@ -387,9 +394,10 @@ static void cpu_norm(Rank *r, int l, int how, int T) {
         if (add) for (int i = 0; i < hidden; i++) res[i] += add[(size_t)t * hidden + i];
         rmsnorm(st->x + (size_t)t * hidden, res, w, hidden, r->c->eps);
         /* the first non-finite residual names the layer whose output was just added (the sampler
-           reports it: NaN or Inf weights otherwise decode as garbage) */
-        for (int i = 0; sh->bad < 0 && r->s.rank == 0 && i < hidden; i++)
-            if (!isfinite(res[i])) sh->bad = how == NORM_PLAIN ? r->c->n_layers : l - 1;
+           reports it: NaN or Inf weights otherwise decode as garbage); the MTP block's own are
+           the draft's concern: a non-finite draft is no draft */
+        for (int i = 0; sh->bad < 0 && r->s.rank == 0 && r->pass == PASS_MAIN && i < hidden; i++)
+            if (!isfinite(res[i])) sh->bad = how == NORM_PLAIN ? r->c->n_layers : l == NORM_F ? r->c->n_layers - 1 : l - 1;
     }
 }
 
@@ -402,6 +410,7 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
     CpuState *st = r->st;
     int hidden = c->hidden, di = s->d_inner, cv = s->conv, in = s->in_proj, K = c->d_conv;
     int m_heads = s->m_heads, hdim = c->m_hdim, N = c->d_state, groups = s->groups, gsize = di / groups;
+    size_t nc = (size_t)cv * (size_t)(K - 1), keep_n = nc + (size_t)di * N;   /* r->keep: a token's conv, then ssm */
 
     /* [z | x | B | C | dt] = in_proj(x), each segment from its own row slice */
     int off = 0;
@@ -416,6 +425,7 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
             float acc = L->conv_b[ch];
             for (int j = 0; j < K; j++) acc += L->conv_w[ch * K + j] * hist[t + j];
             st->xbc[(size_t)t * cv + ch] = silu(acc);
+            if (r->keep) memcpy(st->keep[l] + t * keep_n + (size_t)ch * (K - 1), hist + t + 1, (size_t)(K - 1) * sizeof(float));
         }
         memcpy(state, hist + T, (size_t)(K - 1) * sizeof(float));
     }
@@ -437,6 +447,7 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
                 st->y[(size_t)t * di + h * hdim + p] = y + L->D[h] * xv;
             }
         }
+        if (r->keep) memcpy(st->keep[l] + t * keep_n + nc, st->ssm[l], (size_t)di * N * sizeof(float));
     }
 
     /* u = y * silu(z), then RMSNorm over each group of d_inner/groups channels, times norm.weight */
@@ -612,16 +623,41 @@ static void cpu_logits(Rank *r, int T, int all) {
 
 static int sample_logits(const float *logits, int V, float temp, float topp, uint64_t seed, uint64_t step);
 
-static int cpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t step) {
+static void cpu_sample(Rank *r, int n, float temp, float topp, uint64_t seed, uint64_t step, int *out) {
     CpuShared *sh = r->sh;
     const Config *c = r->c;
-    int id = sample_logits(sh->logits + (size_t)(sh->rows - 1) * c->vocab, c->vocab, temp, topp, seed, step);
-    if (id < 0 && r->s.rank == 0) {   /* one rank speaks; the others wait for the exit */
+    for (int j = 0; j < n; j++) {
+        out[j] = sample_logits(sh->logits + (size_t)(sh->rows - n + j) * c->vocab, c->vocab, temp, topp, seed, step + (uint64_t)j);
+        if (out[j] >= 0 || r->s.rank || r->pass != PASS_MAIN) continue;   /* one rank speaks; the others wait for the exit */
         if (sh->bad < 0) die("non-finite logits: the final norm or lm_head made them (every layer's output is finite)");
         if (sh->bad == c->n_layers) die("non-finite logits: the embedding of a prompt token is not finite");
         die("non-finite logits: layer %d (%s) is the first whose output is not finite", sh->bad, kind_name(c->kind[sh->bad]));
     }
-    return id;
+}
+
+/* residual[t] = eh_proj([enorm(embed[tok[t]]) ; hnorm(x[row + t])]): the MTP block's input */
+static void cpu_mtp_in(Rank *r, const int *tok, int T, int row) {
+    CpuState *st = r->st;
+    int H = r->c->hidden;
+    for (int t = 0; t < T; t++) {
+        float *eh = st->eh + (size_t)t * 2 * H;
+        for (int i = 0; i < H; i++) eh[i] = mat_at(&r->w.embed, (size_t)tok[t], (size_t)i);
+        rmsnorm(eh, eh, r->w.enorm, H, r->c->eps);
+        rmsnorm(eh + H, st->x + (size_t)(row + t) * H, r->w.hnorm, H, r->c->eps);
+    }
+    matmul(st->res, H, st->eh, 2 * H, T, &r->w.eh_proj);
+}
+
+/* Every Mamba layer's conv window and SSM state := those after token t of the last forward with r->keep. */
+static void cpu_rewind(Rank *r, int t) {
+    CpuState *st = r->st;
+    const Config *c = r->c;
+    size_t nc = (size_t)r->s.conv * (size_t)(c->d_conv - 1), ns = (size_t)r->s.d_inner * (size_t)c->d_state;
+    for (int l = 0; l < n_all(c); l++) {
+        if (c->kind[l] != K_MAMBA) continue;
+        memcpy(st->conv[l], st->keep[l] + (size_t)t * (nc + ns), nc * sizeof(float));
+        memcpy(st->ssm[l], st->keep[l] + (size_t)t * (nc + ns) + nc, ns * sizeof(float));
+    }
 }
 
 static const float *cpu_host_logits(Rank *r, int rows) {
@@ -672,7 +708,7 @@ static const Backend cpu_backend = {
     .name = "cpu", .setup = cpu_setup, .teardown = cpu_teardown, .init = cpu_init, .free = cpu_free, .embed = cpu_embed, .norm = cpu_norm,
     .mamba = cpu_mamba, .attention = cpu_attention, .mlp = cpu_mlp, .moe = cpu_moe, .allreduce = cpu_allreduce,
     .logits = cpu_logits, .sample = cpu_sample, .host_logits = cpu_host_logits,
-    .snapshot = cpu_snapshot,
+    .snapshot = cpu_snapshot, .mtp_in = cpu_mtp_in, .rewind = cpu_rewind,
 };
 
 /* ------------------------------------------------------------------------------------------------
@@ -682,27 +718,26 @@ static const Backend cpu_backend = {
 /* --trace: what layer l's entry does with the partial sums the layer before it left. */
 static void trace_layer(const Rank *r, int l, int how) {
     if (!r->trace || r->s.rank != 0) return;
-    fprintf(stderr, "layer %3d  %-9s %-44s pending in: %s\n", l, kind_name(r->c->kind[l]),
+    int i = l - r->c->n_layers;   /* the MTP block's sublayer i */
+    char name[16];
+    snprintf(name, sizeof name, i < 0 ? "layer %3d" : "mtp   %3d", i < 0 ? l : i);
+    fprintf(stderr, "%s  %-9s %-44s pending in: %s\n", name, kind_name(r->c->kind[l]),
             how == NORM_PLAIN ? "rmsnorm" : how == NORM_FUSED ? "fused all-reduce + add + rmsnorm" : "add + rmsnorm",
             how == NORM_PLAIN ? "no" : how == NORM_FUSED ? "yes (reduced here)" : "yes (reduced at last layer's end)");
-    if (l == r->c->n_layers - 1)
-        fprintf(stderr, "final      %s all-reduce, then add + rmsnorm(norm_f), lm_head\n", r->fuse ? "plain" : "no");
 }
 
-/* T tokens at positions pos..pos+T-1 through the model on one rank. Each mixer leaves partial sums
- * in `pending` (its output projection is row-parallel); the next layer's entry settles them with one
- * fused all-reduce + residual add + RMSNorm (be->norm with NORM_FUSED: host_allreduce in cpu_norm;
+/* Layers l0..l1-1 over T tokens at positions pos..: each mixer leaves partial sums in `pending` (its
+ * output projection is row-parallel); the next layer's entry settles them with one fused all-reduce +
+ * residual add + RMSNorm (be->norm with NORM_FUSED: host_allreduce in cpu_norm;
  * fused_allreduce_norm_kernel in nemoh.cu), and only after the last layer is there a plain
- * all-reduce. With fuse off, every layer all-reduces at its end instead. */
-static void forward(Rank *r, const int *tok, int T, int pos, int all_logits) {
+ * all-reduce; then the final norm `fin` and lm_head. With fuse off, every layer all-reduces at its
+ * end instead. */
+static void run_layers(Rank *r, int l0, int l1, int fin, int T, int pos, int all_logits) {
     const Backend *be = r->be;
     const Config *c = r->c;
-    if (be->replay && be->replay(r, tok, T, pos)) return;   /* a captured CUDA graph ran it all */
-    if (be->begin) be->begin(r, tok, T, pos);
-    be->embed(r, tok, T);                                   /* residual = embed[tok] */
-    for (int l = 0; l < c->n_layers; l++) {
+    for (int l = l0; l < l1; l++) {
         /* x = pending ? fused_allreduce_add_rmsnorm(pending, residual, norm[l]) : rmsnorm(residual, norm[l]) */
-        int how = l == 0 ? NORM_PLAIN : r->fuse ? NORM_FUSED : NORM_ADD;
+        int how = l == l0 ? NORM_PLAIN : r->fuse ? NORM_FUSED : NORM_ADD;
         trace_layer(r, l, how);
         be->norm(r, l, how, T);
         /* pending = mixer_l(x): row-parallel partial sums */
@@ -713,10 +748,36 @@ static void forward(Rank *r, const int *tok, int T, int pos, int all_logits) {
         if (!r->fuse) be->allreduce(r, T);
     }
     /* allreduce(pending); residual += pending; x = rmsnorm(residual, norm_f); logits = lm_head(x) */
+    if (r->trace && r->s.rank == 0)
+        fprintf(stderr, "final      %s all-reduce, then add + rmsnorm(%s), lm_head\n", r->fuse ? "plain" : "no",
+                fin == NORM_F ? "norm_f" : "final_layernorm");
     if (r->fuse) be->allreduce(r, T);
-    be->norm(r, c->n_layers, NORM_ADD, T);
+    be->norm(r, fin, NORM_ADD, T);
     be->logits(r, T, all_logits);
     if (be->end) be->end(r, T);
+}
+
+/* T tokens at positions pos..pos+T-1 through the model on one rank; with r->keep, every Mamba layer
+ * also keeps its state after each token (be->rewind goes back to one). */
+static void forward(Rank *r, const int *tok, int T, int pos, int all_logits) {
+    r->pass = PASS_MAIN;
+    if (r->be->replay && r->be->replay(r, tok, T, pos)) return;   /* a captured CUDA graph ran it all */
+    if (r->be->begin) r->be->begin(r, tok, T, pos);
+    r->be->embed(r, tok, T);                                      /* residual = embed[tok] */
+    run_layers(r, 0, r->c->n_layers, NORM_F, T, pos, all_logits);
+}
+
+/* The MTP block over T positions pos..: token tok[t] is the one after position pos + t, and x row
+ * row + t the hidden state the last forward left for that position (the model's after norm_f, or
+ * the block's own output, for a draft of a draft):
+ *   g = final_layernorm(block(eh_proj([enorm(embed[tok]) ; hnorm(h)]))); logits = lm_head(g)
+ * Its attention keeps its own cache, positions as the model's. */
+static void mtp_forward(Rank *r, const int *tok, int T, int row, int pos, int all_logits) {
+    r->pass = PASS_MTP;
+    if (row == 0 && r->be->replay && r->be->replay(r, tok, T, pos)) return;
+    if (r->be->begin) r->be->begin(r, tok, T, pos);
+    r->be->mtp_in(r, tok, T, row);
+    run_layers(r, r->c->n_layers, n_all(r->c), NORM_MTP_F, T, pos, all_logits);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -767,20 +828,25 @@ static void run_ranks(Engine *e, void (*job)(Rank *, void *), void *arg) {
 static void job_init(Rank *r, void *arg) { (void)arg; r->be->init(r); }
 static void job_free(Rank *r, void *arg) { (void)arg; r->be->free(r); }
 
-typedef struct { const int *tok; int T, pos, all; } FwdArgs;
+typedef struct { const int *tok; int T, pos, all, keep, mtp, row; } FwdArgs;
 static void job_forward(Rank *r, void *arg) {
     FwdArgs *a = arg;
-    forward(r, a->tok, a->T, a->pos, a->all);
+    r->keep = a->keep;
+    if (a->mtp) mtp_forward(r, a->tok, a->T, a->row, a->pos, a->all);
+    else forward(r, a->tok, a->T, a->pos, a->all);
 }
 
-typedef struct { float temp, topp; uint64_t seed, step; int *out; } SampleArgs;
+typedef struct { int n; float temp, topp; uint64_t seed, step; int *out; } SampleArgs;
 static void job_sample(Rank *r, void *arg) {
     SampleArgs *a = arg;
-    a->out[r->s.rank] = r->be->sample(r, a->temp, a->topp, a->seed, a->step);
+    r->be->sample(r, a->n, a->temp, a->topp, a->seed, a->step, a->out + r->s.rank * a->n);
 }
 
+static void job_rewind(Rank *r, void *arg) { r->be->rewind(r, *(int *)arg); }
+
 /* Loads the shards, starts one thread per rank and lets the backend set up each rank. */
-static void build_engine(Engine *e, const Checkpoint *ck, const Backend *be, int n, int t_max, int ctx, int fuse, int logit_rows, int graph) {
+static void build_engine(Engine *e, const Checkpoint *ck, const Backend *be, int n, int t_max, int ctx, int fuse, int logit_rows, int graph,
+                         int spec) {
     e->be = be;
     e->n = n;
     e->sh = be->setup(&e->c, n, t_max, logit_rows);
@@ -797,6 +863,7 @@ static void build_engine(Engine *e, const Checkpoint *ck, const Backend *be, int
         r->fuse = fuse;
         r->gpu = i;
         r->graph = graph;
+        r->spec = spec;
     }
     if (n > 1) {
         e->thread = xcalloc((size_t)n, sizeof(pthread_t));
@@ -826,26 +893,47 @@ static void free_engine(Engine *e) {
     free(e->rank);
 }
 
-/* One forward step on all ranks: each rank's thread runs forward(), the layer loop above. */
-static void engine_forward(Engine *e, const int *tok, int T, int pos, int all) {
-    FwdArgs a = {tok, T, pos, all};
+/* One forward step on all ranks: each rank's thread runs forward(), the layer loop above; keep: every
+ * token's recurrent state is kept for engine_rewind. */
+static void engine_forward(Engine *e, const int *tok, int T, int pos, int all, int keep) {
+    FwdArgs a = {tok, T, pos, all, keep, 0, 0};
     run_ranks(e, job_forward, &a);
 }
+
+/* The MTP block on all ranks (mtp_forward): tokens tok[0..T) after positions pos.., on x rows row... */
+static void engine_mtp(Engine *e, const int *tok, int T, int row, int pos, int all) {
+    FwdArgs a = {tok, T, pos, all, 0, 1, row};
+    run_ranks(e, job_forward, &a);
+}
+
+/* Every rank's recurrent state back to the one after token t of the last forward that kept them. */
+static void engine_rewind(Engine *e, int t) { run_ranks(e, job_rewind, &t); }
 
 /* Every rank saves (or restores) its own shard of the recurrent state in snapshot slot `slot`. */
 typedef struct { int slot, save; } SnapArgs;
 static void job_snapshot(Rank *r, void *arg) { SnapArgs *a = arg; r->be->snapshot(r, a->slot, a->save); }
 static void engine_snapshot(Engine *e, int slot, int save) { SnapArgs a = {slot, save}; run_ranks(e, job_snapshot, &a); }
 
-/* Every rank samples from its own gathered logits; they must agree. */
-static int engine_sample(Engine *e, float temp, float topp, uint64_t seed, uint64_t step) {
-    int out[64];
-    SampleArgs a = {temp, topp, seed, step, out};
+/* Every rank samples the last n rows of its own gathered logits (row j with coin step + j); they must
+ * agree. tok[j] is -1 for a row that is not finite: an error for the model's logits, no draft for
+ * the MTP block's. */
+static void engine_sample_rows(Engine *e, int n, float temp, float topp, uint64_t seed, uint64_t step, int *tok) {
+    int out[64 * (SPEC_MAX + 1)];
+    SampleArgs a = {n, temp, topp, seed, step, out};
     run_ranks(e, job_sample, &a);
-    for (int i = 1; i < e->n; i++)
-        if (out[i] != out[0]) die("ranks disagree on the sampled token (rank 0: %d, rank %d: %d)", out[0], i, out[i]);
-    if (out[0] < 0 || out[0] >= e->c.vocab) die("non-finite logits (run with --cpu to find the first layer that made them)");
-    return out[0];
+    for (int j = 0; j < n; j++) {
+        for (int i = 1; i < e->n; i++)
+            if (out[i * n + j] != out[j]) die("ranks disagree on the sampled token (rank 0: %d, rank %d: %d)", out[j], i, out[i * n + j]);
+        if ((out[j] < 0 && e->rank[0].pass == PASS_MAIN) || out[j] >= e->c.vocab)
+            die("non-finite logits (run with --cpu to find the first layer that made them)");
+        tok[j] = out[j];
+    }
+}
+
+static int engine_sample(Engine *e, float temp, float topp, uint64_t seed, uint64_t step) {
+    int tok;
+    engine_sample_rows(e, 1, temp, topp, seed, step, &tok);
+    return tok;
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -887,6 +975,153 @@ static int sample_logits(const float *l, int V, float temp, float topp, uint64_t
     }
     free(p);
     return pick;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Decoding: one token a forward, or drafts of the MTP block verified in one forward
+ * ---------------------------------------------------------------------------------------------- */
+
+/* Self-speculative decoding (--mtp K). A step feeds the last token and K drafts d_1..d_K in one forward
+ * (positions pos..pos+K), samples every row i with the coin plain decoding uses at its position,
+ * t_0..t_K, and accepts while d_i == t_{i-1}. With n accepted it emits t_0..t_n: exactly the tokens
+ * plain decoding emits, greedy or sampled (each t_i is drawn from the model's own distribution with
+ * its position's coin, so the rule is lossless). The recurrent state rewinds to its value after d_n;
+ * attention caches need nothing (positions past it are rewritten). Then the MTP block runs over
+ * positions pos..pos+n (tokens t_0..t_n, the model's hidden states), and K - 1 more times on its own
+ * output; each draft is the argmax of its logits. */
+typedef struct {
+    Engine *e;
+    int k;                      /* drafts a step (0: one token a forward) */
+    float temp, topp;           /* sampling temperature (0: greedy), top-p */
+    uint64_t seed;              /* sampling seed */
+    int ctx;                    /* positions the caches hold */
+    int left;                   /* tokens the caller may still take (drafts past them are not made) */
+    int pos;                    /* tokens the model's state has consumed */
+    int tok[SPEC_MAX + 1];      /* the tokens the last step emitted */
+    int n_tok, next;            /* how many, how many handed out */
+    int base;                   /* position of the last step's row 0 */
+    int draft[SPEC_MAX], n_draft;  /* drafts for the next step */
+    const int *ids;             /* the prompt whose last chunk's MTP pass waits for the first token */
+    int mtp_from;               /* that chunk's first position, -1: none waits */
+    int gen0;                   /* position of the first token sampled after a prefill */
+    const int *force;           /* test hook (NEMOH_TEST_DRAFTS): drafts from a recorded greedy run */
+    int n_force;                /* its tokens, for positions gen0.. */
+    long steps, fed, accepted;  /* verify steps, drafts fed, drafts accepted */
+    long hist[SPEC_MAX + 1];    /* steps by drafts accepted */
+    float *rows, *mtp_rows;     /* --dump-logits, --dump-mtp: [positions, vocab] each position's logits */
+    size_t rows_cap, mtp_cap;   /* allocated floats */
+    int dump, dump_mtp;         /* keep rows, mtp_rows */
+} Decoder;
+
+/* Drafts a step when the model has an MTP block and --mtp is not given. */
+enum { MTP_DEFAULT = 3 };
+
+static void *tok_grow(void *p, size_t *cap, size_t need, size_t size);
+static int *parse_ids(const char *s, int *n);
+
+/* Writes rows 0..rows-1 of a logits dump (--dump-logits, --dump-mtp). */
+static void dump_rows(const float *l, int rows, int vocab, FILE *f, const char *flag) {
+    if (fwrite(l, sizeof(float), (size_t)rows * vocab, f) != (size_t)rows * vocab) die("%s: write failed", flag);
+}
+
+
+/* The first rows of the logits the engine just made, as those of positions pos..pos+rows-1. */
+static void dec_keep_rows(Decoder *d, float **buf, size_t *cap, int pos, int rows) {
+    size_t V = (size_t)d->e->c.vocab;
+    *buf = tok_grow(*buf, cap, ((size_t)pos + rows) * V, sizeof(float));
+    memcpy(*buf + pos * V, d->e->be->host_logits(&d->e->rank[0], rows), rows * V * sizeof(float));
+}
+
+/* Where the token handed out last would be fed: the tokens consumed so far, as plain decoding counts. */
+static int dec_at(const Decoder *d) { return d->pos - (d->n_tok - d->next); }
+
+/* Feeds ids[from..to) at their positions, in chunks of t_max. With drafting, each chunk's MTP pass
+ * follows it (fills the block's cache); the last one's waits for the token after ids[n_ids - 1]. */
+static void dec_prefill(Decoder *d, const int *ids, int from, int to, int n_ids) {
+    Engine *e = d->e;
+    for (int pos = from, T; pos < to; pos += T) {
+        T = to - pos < e->rank[0].t_max ? to - pos : e->rank[0].t_max;
+        engine_forward(e, ids + pos, T, pos, d->dump, 0);
+        if (d->dump) dec_keep_rows(d, &d->rows, &d->rows_cap, pos, T);
+        if (d->k && pos + T < n_ids) {
+            engine_mtp(e, ids + pos + 1, T, 0, pos, d->dump_mtp);
+            if (d->dump_mtp) dec_keep_rows(d, &d->mtp_rows, &d->mtp_cap, pos, T);
+        }
+        d->mtp_from = d->k && pos + T == n_ids ? pos : -1;
+    }
+    d->ids = ids;
+    d->pos = to;
+    d->n_tok = d->next = 0;
+}
+
+/* The MTP pass over positions from..from+T-1 (the token after each in tok), on the hidden states in
+ * rows 0..T-1, then the drafts for the next step: its argmax, and K - 1 more of the block's own. */
+static void dec_draft(Decoder *d, const int *tok, int T, int from) {
+    Engine *e = d->e;
+    engine_mtp(e, tok, T, 0, from, d->dump_mtp);
+    if (d->dump_mtp) dec_keep_rows(d, &d->mtp_rows, &d->mtp_cap, from, T);
+    int k = d->k, room = d->ctx - 1 - d->pos, want = d->left - d->n_tok - 1;
+    k = k < room ? k : room;
+    k = k < want ? k : want;
+    d->n_draft = 0;
+    for (int j = 0; j < k; j++) {
+        if (j) engine_mtp(e, &d->draft[j - 1], 1, j == 1 ? T - 1 : 0, d->pos + j - 1, 0);
+        engine_sample_rows(e, 1, 0, 1, 0, 0, &d->draft[j]);
+        if (d->draft[j] < 0) break;   /* non-finite logits of the block: no draft */
+        d->n_draft++;
+    }
+    if (!d->force) return;
+    /* the test hook: the recorded tokens, one corrupted at draft (steps mod (k + 1)), so that every
+       accepted count 0..k occurs and the state rewinds across every kind of layer */
+    for (int j = 0; j < d->n_draft; j++) {
+        int at = d->pos + j + 1 - d->gen0;
+        d->draft[j] = at >= 0 && at < d->n_force ? d->force[at] : d->draft[j];
+        if (j == d->steps % (d->k + 1)) d->draft[j] = (d->draft[j] + 1) % e->c.vocab;
+    }
+}
+
+/* The next token: handed out from the last step, or made by a new step, which first feeds the last
+ * token handed out (and the drafts). */
+static int dec_next(Decoder *d) {
+    Engine *e = d->e;
+    if (d->next < d->n_tok) return d->left--, d->tok[d->next++];
+    if (!d->n_tok) {   /* just prefilled: the prompt's last logits give the first token */
+        d->gen0 = d->pos;
+        d->tok[0] = engine_sample(e, d->temp, d->topp, d->seed, (uint64_t)d->pos);
+        d->n_tok = 1;
+        if (d->mtp_from >= 0) {
+            int T = d->pos - d->mtp_from, *t = xmalloc((size_t)T * sizeof(int));
+            memcpy(t, d->ids + d->mtp_from + 1, (size_t)(T - 1) * sizeof(int));
+            t[T - 1] = d->tok[0];
+            dec_draft(d, t, T, d->mtp_from);
+            free(t);
+        }
+    } else {
+        int feed[SPEC_MAX + 1], K = d->n_draft, n = 0;
+        feed[0] = d->tok[d->n_tok - 1];
+        memcpy(feed + 1, d->draft, (size_t)K * sizeof(int));
+        engine_forward(e, feed, K + 1, d->pos, K || d->dump, K > 0);
+        engine_sample_rows(e, K + 1, d->temp, d->topp, d->seed, (uint64_t)d->pos + 1, d->tok);
+        while (n < K && d->draft[n] == d->tok[n]) n++;
+        if (d->dump) dec_keep_rows(d, &d->rows, &d->rows_cap, d->pos, n + 1);
+        if (n < K) engine_rewind(e, n);
+        if (K) d->steps++, d->fed += K, d->accepted += n, d->hist[n]++;
+        d->base = d->pos;
+        d->pos += n + 1;
+        d->n_tok = n + 1;
+        if (d->k) dec_draft(d, d->tok, n + 1, d->base);
+    }
+    d->next = 0;
+    return dec_next(d);
+}
+
+/* The caller takes no more tokens: the state goes back to having consumed all it was handed but
+ * the last (as plain decoding leaves it: the last sampled token is not fed). */
+static void dec_stop(Decoder *d) {
+    if (d->next == d->n_tok) return;
+    engine_rewind(d->e, d->next - 1);
+    d->pos = d->base + d->next;
+    d->n_tok = d->next;
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -1276,6 +1511,34 @@ static void model_dir(const char *dir) {
 }
 
 /* The config from the text of config.json (path: for messages). */
+/* A layer pattern into kind[0..max): the string `pat_key` ("M*-E", one letter a layer) or the list
+ * `list_key` (["mamba", "attention", ...], transformers' names). Returns the number of layers. */
+static int config_kinds(char *kind, int max, const Json *root, const char *path, const char *pat_key, const char *list_key) {
+    const Json *pat = json_get(root, pat_key), *types = json_get(root, list_key);
+    int n = 0;
+    if (types && types->type == J_ARR) {
+        for (const Json *e = types->child; e; e = e->next) {
+            if (n == max) die("%s: more than %d layers", path, MAX_LAYERS);
+            const char *s = e->type == J_STR ? e->str : "";
+            char k = !strcmp(s, "mamba") || !strcmp(s, "linear_attention") ? K_MAMBA
+                   : !strcmp(s, "attention") || !strcmp(s, "full_attention") ? K_ATTN
+                   : !strcmp(s, "mlp") ? K_MLP : !strcmp(s, "moe") ? K_MOE : '?';
+            if (k == '?') die("%s: %s: layer %d has unknown block type \"%s\"", path, list_key, n, s);
+            kind[n++] = k;
+        }
+    } else if (pat && pat->type == J_STR) {
+        if (pat->len > max) die("%s: more than %d layers", path, MAX_LAYERS);
+        for (int i = 0; i < pat->len; i++) {
+            char k = pat->str[i];
+            if (!strchr("M*-E", k) || !k) die("%s: layer %d has unknown block type '%c' in %s", path, i, k, pat_key);
+            kind[n++] = k;
+        }
+    } else {
+        die("%s: missing key %s (or %s)", path, pat_key, list_key);
+    }
+    return n;
+}
+
 static void config_parse(Config *c, const char *text, size_t len, const char *path) {
     JsonDoc doc = json_parse(text, len, path);
     const Json *root = &doc.nodes[0];
@@ -1283,30 +1546,20 @@ static void config_parse(Config *c, const char *text, size_t len, const char *pa
     memset(c, 0, sizeof *c);
 
     /* The layer pattern: one character per layer, 'M' Mamba2, '*' attention, '-' MLP, 'E' MoE. */
-    const Json *pat = json_get(root, "hybrid_override_pattern"), *types = json_get(root, "layers_block_type");
-    if (types && types->type == J_ARR) {
-        for (const Json *e = types->child; e; e = e->next) {
-            if (c->n_layers == MAX_LAYERS) die("%s: more than %d layers", path, MAX_LAYERS);
-            const char *s = e->type == J_STR ? e->str : "";
-            char k = !strcmp(s, "mamba") || !strcmp(s, "linear_attention") ? K_MAMBA
-                   : !strcmp(s, "attention") || !strcmp(s, "full_attention") ? K_ATTN
-                   : !strcmp(s, "mlp") ? K_MLP : !strcmp(s, "moe") ? K_MOE : '?';
-            if (k == '?') die("%s: layer %d has unknown block type \"%s\"", path, c->n_layers, s);
-            c->kind[c->n_layers++] = k;
-        }
-    } else if (pat && pat->type == J_STR) {
-        if (pat->len > MAX_LAYERS) die("%s: more than %d layers", path, MAX_LAYERS);
-        for (int i = 0; i < pat->len; i++) {
-            char k = pat->str[i];
-            if (!strchr("M*-E", k) || !k) die("%s: layer %d has unknown block type '%c' in hybrid_override_pattern", path, i, k);
-            c->kind[c->n_layers++] = k;
-        }
-    } else {
-        die("%s: missing key hybrid_override_pattern (or layers_block_type)", path);
-    }
+    c->n_layers = config_kinds(c->kind, MAX_LAYERS, root, path, "hybrid_override_pattern", "layers_block_type");
     if (c->n_layers == 0) die("%s: the model has no layers", path);
     int nl = cfg_int(root, path, "num_hidden_layers", 0, c->n_layers);
     if (nl != c->n_layers) die("%s: num_hidden_layers is %d but the pattern has %d layers", path, nl, c->n_layers);
+    /* The multi-token prediction block, its sublayers after the blocks; every release has one block */
+    int nextn = cfg_int(root, path, "num_nextn_predict_layers", 0, 0);
+    if (nextn > 1) die("%s: num_nextn_predict_layers is %d; nemoh runs one MTP block (the published models have one)", path, nextn);
+    if (nextn) {
+        c->n_mtp = config_kinds(c->kind + c->n_layers, MAX_LAYERS - c->n_layers, root, path, "mtp_hybrid_override_pattern",
+                                "mtp_layers_block_type");
+        if (!c->n_mtp) die("%s: num_nextn_predict_layers is 1 but the MTP pattern is empty", path);
+        if (memchr(c->kind + c->n_layers, K_MAMBA, (size_t)c->n_mtp))
+            die("%s: the MTP block has a Mamba sublayer; nemoh's drafts need attention, MLP or MoE ones (as published)", path);
+    }
     int has_m = has_kind(c, K_MAMBA), has_a = has_kind(c, K_ATTN), has_f = has_kind(c, K_MLP);
 
     c->vocab = cfg_int(root, path, "vocab_size", 1, 0);
@@ -1785,12 +2038,12 @@ static const Tensor *st_get(const Checkpoint *ck, const char *name, long d0, lon
     return t;
 }
 
-/* Layer l's routed experts' `proj` ("up_proj" [moe, d] or "down_proj" [d, moe]) stacked in one
- * [n_experts, rows, cols] tensor, as transformers' module holds them; NULL when the checkpoint has one
+/* A layer's ("layers.L", "mtp.layers.I") routed experts' `proj` ("up_proj" [moe, d] or "down_proj"
+ * [d, moe]) stacked in one [n_experts, rows, cols] tensor, as transformers' module holds them; NULL when the checkpoint has one
  * tensor per expert instead (NVIDIA's layout, layers.L.mixer.experts.E.up_proj.weight). */
-static const Tensor *st_experts_stacked(const Checkpoint *ck, int l, const char *proj, long E, long rows, long cols) {
+static const Tensor *st_experts_stacked(const Checkpoint *ck, const char *layer, const char *proj, long E, long rows, long cols) {
     char name[128], want[64];
-    snprintf(name, sizeof name, "layers.%d.mixer.experts.%s", l, proj);
+    snprintf(name, sizeof name, "%s.mixer.experts.%s", layer, proj);
     const Tensor *t = st_find(ck, name);
     snprintf(want, sizeof want, "%ld,%ld,%ld", E, rows, cols);
     if (t && (t->ndim != 3 || t->shape[0] != E || t->shape[1] != rows || t->shape[2] != cols)) st_bad_shape(t, want);
@@ -1929,93 +2182,111 @@ static float *small_f32(const Tensor *t, size_t i0, size_t n) {
     return out;
 }
 
-/* Rank `s->rank`'s weights: views for the matrices, fp32 copies of the small vectors. */
-static void build_weights(Weights *w, const Checkpoint *ck, const Config *c, const Shard *s) {
+/* Rank `s->rank`'s share of one layer, of kind k, whose tensors are named `pre`.* ("layers.L", or
+ * "mtp.layers.I" for the MTP block's sublayers). */
+static void build_layer(Layer *L, char k, const char *pre, const Checkpoint *ck, const Config *c, const Shard *s) {
     char name[256];
     int H = c->hidden, r = s->rank;
-    memset(w, 0, sizeof *w);
-    /* the embedding table (backbone.embedding in older NVIDIA checkpoints) is no projection: its
-       format is not checked against the config, whose exclude lists leave it out */
-    const char *emb = st_find(ck, "embeddings.weight") || !st_find(ck, "embedding.weight") ? "embeddings" : "embedding";
-    w->embed = load_mat(ck, emb, c->vocab, H, 0, c->vocab, 0, H, 0);
-    w->lm_head = load_mat(ck, "lm_head", c->vocab, H, (long)r * s->vocab, s->vocab, 0, H, 1);
-    w->norm_f = small_f32(st_get(ck, "norm_f.weight", H, 0), 0, (size_t)H);
-#define T2(field, d0, d1) (snprintf(name, sizeof name, "layers.%d.%s", l, field), st_get(ck, name, d0, d1))
-#define M2(field, d0, d1, r0, rows, c0, cols) (snprintf(name, sizeof name, "layers.%d.mixer.%s", l, field), \
+#define T2(field, d0, d1) (snprintf(name, sizeof name, "%s.%s", pre, field), st_get(ck, name, d0, d1))
+#define M2(field, d0, d1, r0, rows, c0, cols) (snprintf(name, sizeof name, "%s.mixer.%s", pre, field), \
                                               load_mat(ck, name, d0, d1, r0, rows, c0, cols, 1))
-    for (int l = 0; l < c->n_layers; l++) {
-        Layer *L = &w->layer[l];
-        L->kind = c->kind[l];
-        L->norm = small_f32(T2("norm.weight", H, 0), 0, (size_t)H);
-        if (L->kind == K_MAMBA) {
-            int di = c->m_heads * c->m_hdim, gn = c->n_groups * c->d_state, conv = di + 2 * gn, gl = s->groups * c->d_state;
-            /* each segment of [z | x | B | C | dt] is split contiguously, so heads and groups stay whole */
-            long seg0[5] = {0, di, 2L * di, 2L * di + gn, 2L * di + 2L * gn};
-            long rows[5] = {s->d_inner, s->d_inner, gl, gl, s->m_heads};
-            for (int k = 0; k < 5; k++) L->in_proj[k] = M2("in_proj", 2 * di + 2 * gn + c->m_heads, H, seg0[k] + r * rows[k], rows[k], 0, H);
-            const Tensor *cw = T2("mixer.conv1d.weight", conv, c->d_conv);
-            size_t K = (size_t)c->d_conv;
-            L->conv_w = xmalloc((size_t)s->conv * K * sizeof(float));
-            L->conv_b = xcalloc((size_t)s->conv, sizeof(float));
-            const Tensor *cb = c->conv_bias ? T2("mixer.conv1d.bias", conv, 0) : NULL;
-            /* local conv channels: this rank's x, then its B, then its C */
-            long ch0[3] = {(long)r * s->d_inner, di + (long)r * gl, di + gn + (long)r * gl};
-            long nch[3] = {s->d_inner, gl, gl};
-            for (int k = 0, o = 0; k < 3; o += (int)nch[k], k++)
-                for (long i = 0; i < nch[k]; i++) {
-                    for (size_t j = 0; j < K; j++) L->conv_w[(o + i) * K + j] = load_f32(cw->data, cw->dtype, (ch0[k] + i) * K + j);
-                    if (cb) L->conv_b[o + i] = load_f32(cb->data, cb->dtype, (size_t)(ch0[k] + i));
-                }
-            size_t h0 = (size_t)r * s->m_heads, m_heads = (size_t)s->m_heads;
-            L->A = small_f32(T2("mixer.A_log", c->m_heads, 0), h0, m_heads);
-            for (size_t i = 0; i < m_heads; i++) L->A[i] = -expf(L->A[i]);  /* A = -exp(A_log) */
-            L->D = small_f32(T2("mixer.D", c->m_heads, 0), h0, m_heads);
-            L->dt_bias = small_f32(T2("mixer.dt_bias", c->m_heads, 0), h0, m_heads);
-            L->gnorm = small_f32(T2("mixer.norm.weight", di, 0), (size_t)r * s->d_inner, (size_t)s->d_inner);
-            L->out = M2("out_proj", H, di, 0, H, (long)r * s->d_inner, s->d_inner);
-        } else if (L->kind == K_ATTN) {
-            int hd = c->head_dim;
-            L->wq = M2("q_proj", c->n_heads * hd, H, (long)s->q0 * hd, s->q * hd, 0, H);
-            L->wk = M2("k_proj", c->n_kv * hd, H, (long)s->kv0 * hd, s->kv * hd, 0, H);
-            L->wv = M2("v_proj", c->n_kv * hd, H, (long)s->kv0 * hd, s->kv * hd, 0, H);
-            L->wo = M2("o_proj", H, c->n_heads * hd, 0, H, (long)s->q0 * hd, s->q * hd);
-            /* an FP8 KV cache's scales: read and checked; the cache stays bf16 (or fp32) */
-            static const char *kv_scale[] = {"mixer.k_proj.k_scale", "mixer.v_proj.v_scale"};
-            for (int k = 0; k < 2; k++)
-                if (snprintf(name, sizeof name, "layers.%d.%s", l, kv_scale[k]), st_find(ck, name)) st_scale(st_find(ck, name));
-        } else if (L->kind == K_MLP) {
-            L->up = M2("up_proj", c->mlp, H, (long)r * s->mlp, s->mlp, 0, H);
-            L->down = M2("down_proj", H, c->mlp, 0, H, (long)r * s->mlp, s->mlp);
-        } else {
-            int E = c->n_experts, d = c->latent ? c->latent : H, m = c->moe;
-            L->gate = small_f32(T2("mixer.gate.weight", E, H), 0, (size_t)E * H);
-            L->gate_bias = small_f32(T2("mixer.gate.e_score_correction_bias", E, 0), 0, (size_t)E);
-            /* expert e: this rank's rows of up [moe, d] and columns of down [d, moe], stacked or not */
-            const Tensor *up = st_experts_stacked(ck, l, "up_proj", E, m, d), *down = st_experts_stacked(ck, l, "down_proj", E, d, m);
-            L->eup = xcalloc((size_t)E, sizeof(Mat));
-            L->edown = xcalloc((size_t)E, sizeof(Mat));
-            for (int e = 0; e < E; e++) {
-                char f[64];
-                L->eup[e] = up ? mat_view(up, (long)e * m + (long)r * s->moe, s->moe, 0, d)
-                               : (snprintf(f, sizeof f, "experts.%d.up_proj", e), M2(f, m, d, (long)r * s->moe, s->moe, 0, d));
-                L->edown[e] = down ? mat_view(down, (long)e * d, d, (long)r * s->moe, s->moe)
-                                   : (snprintf(f, sizeof f, "experts.%d.down_proj", e), M2(f, d, m, 0, d, (long)r * s->moe, s->moe));
+    L->kind = k;
+    L->norm = small_f32(T2("norm.weight", H, 0), 0, (size_t)H);
+    if (L->kind == K_MAMBA) {
+        int di = c->m_heads * c->m_hdim, gn = c->n_groups * c->d_state, conv = di + 2 * gn, gl = s->groups * c->d_state;
+        /* each segment of [z | x | B | C | dt] is split contiguously, so heads and groups stay whole */
+        long seg0[5] = {0, di, 2L * di, 2L * di + gn, 2L * di + 2L * gn};
+        long rows[5] = {s->d_inner, s->d_inner, gl, gl, s->m_heads};
+        for (int k = 0; k < 5; k++) L->in_proj[k] = M2("in_proj", 2 * di + 2 * gn + c->m_heads, H, seg0[k] + r * rows[k], rows[k], 0, H);
+        const Tensor *cw = T2("mixer.conv1d.weight", conv, c->d_conv);
+        size_t K = (size_t)c->d_conv;
+        L->conv_w = xmalloc((size_t)s->conv * K * sizeof(float));
+        L->conv_b = xcalloc((size_t)s->conv, sizeof(float));
+        const Tensor *cb = c->conv_bias ? T2("mixer.conv1d.bias", conv, 0) : NULL;
+        /* local conv channels: this rank's x, then its B, then its C */
+        long ch0[3] = {(long)r * s->d_inner, di + (long)r * gl, di + gn + (long)r * gl};
+        long nch[3] = {s->d_inner, gl, gl};
+        for (int k = 0, o = 0; k < 3; o += (int)nch[k], k++)
+            for (long i = 0; i < nch[k]; i++) {
+                for (size_t j = 0; j < K; j++) L->conv_w[(o + i) * K + j] = load_f32(cw->data, cw->dtype, (ch0[k] + i) * K + j);
+                if (cb) L->conv_b[o + i] = load_f32(cb->data, cb->dtype, (size_t)(ch0[k] + i));
             }
-            L->sup = M2("shared_experts.up_proj", c->shared, H, (long)r * s->shared, s->shared, 0, H);
-            L->sdown = M2("shared_experts.down_proj", H, c->shared, 0, H, (long)r * s->shared, s->shared);
-            if (c->latent) {
-                L->lat_in = M2("fc1_latent_proj", c->latent, H, 0, c->latent, 0, H);
-                L->lat_out = M2("fc2_latent_proj", H, c->latent, 0, H, 0, c->latent);
-            }
+        size_t h0 = (size_t)r * s->m_heads, m_heads = (size_t)s->m_heads;
+        L->A = small_f32(T2("mixer.A_log", c->m_heads, 0), h0, m_heads);
+        for (size_t i = 0; i < m_heads; i++) L->A[i] = -expf(L->A[i]);  /* A = -exp(A_log) */
+        L->D = small_f32(T2("mixer.D", c->m_heads, 0), h0, m_heads);
+        L->dt_bias = small_f32(T2("mixer.dt_bias", c->m_heads, 0), h0, m_heads);
+        L->gnorm = small_f32(T2("mixer.norm.weight", di, 0), (size_t)r * s->d_inner, (size_t)s->d_inner);
+        L->out = M2("out_proj", H, di, 0, H, (long)r * s->d_inner, s->d_inner);
+    } else if (L->kind == K_ATTN) {
+        int hd = c->head_dim;
+        L->wq = M2("q_proj", c->n_heads * hd, H, (long)s->q0 * hd, s->q * hd, 0, H);
+        L->wk = M2("k_proj", c->n_kv * hd, H, (long)s->kv0 * hd, s->kv * hd, 0, H);
+        L->wv = M2("v_proj", c->n_kv * hd, H, (long)s->kv0 * hd, s->kv * hd, 0, H);
+        L->wo = M2("o_proj", H, c->n_heads * hd, 0, H, (long)s->q0 * hd, s->q * hd);
+        /* an FP8 KV cache's scales: read and checked; the cache stays bf16 (or fp32) */
+        static const char *kv_scale[] = {"mixer.k_proj.k_scale", "mixer.v_proj.v_scale"};
+        for (int k = 0; k < 2; k++)
+            if (snprintf(name, sizeof name, "%s.%s", pre, kv_scale[k]), st_find(ck, name)) st_scale(st_find(ck, name));
+    } else if (L->kind == K_MLP) {
+        L->up = M2("up_proj", c->mlp, H, (long)r * s->mlp, s->mlp, 0, H);
+        L->down = M2("down_proj", H, c->mlp, 0, H, (long)r * s->mlp, s->mlp);
+    } else {
+        int E = c->n_experts, d = c->latent ? c->latent : H, m = c->moe;
+        L->gate = small_f32(T2("mixer.gate.weight", E, H), 0, (size_t)E * H);
+        L->gate_bias = small_f32(T2("mixer.gate.e_score_correction_bias", E, 0), 0, (size_t)E);
+        /* expert e: this rank's rows of up [moe, d] and columns of down [d, moe], stacked or not */
+        const Tensor *up = st_experts_stacked(ck, pre, "up_proj", E, m, d), *down = st_experts_stacked(ck, pre, "down_proj", E, d, m);
+        L->eup = xcalloc((size_t)E, sizeof(Mat));
+        L->edown = xcalloc((size_t)E, sizeof(Mat));
+        for (int e = 0; e < E; e++) {
+            char f[64];
+            L->eup[e] = up ? mat_view(up, (long)e * m + (long)r * s->moe, s->moe, 0, d)
+                           : (snprintf(f, sizeof f, "experts.%d.up_proj", e), M2(f, m, d, (long)r * s->moe, s->moe, 0, d));
+            L->edown[e] = down ? mat_view(down, (long)e * d, d, (long)r * s->moe, s->moe)
+                               : (snprintf(f, sizeof f, "experts.%d.down_proj", e), M2(f, d, m, 0, d, (long)r * s->moe, s->moe));
+        }
+        L->sup = M2("shared_experts.up_proj", c->shared, H, (long)r * s->shared, s->shared, 0, H);
+        L->sdown = M2("shared_experts.down_proj", H, c->shared, 0, H, (long)r * s->shared, s->shared);
+        if (c->latent) {
+            L->lat_in = M2("fc1_latent_proj", c->latent, H, 0, c->latent, 0, H);
+            L->lat_out = M2("fc2_latent_proj", H, c->latent, 0, H, 0, c->latent);
         }
     }
 #undef T2
 #undef M2
 }
 
+/* Rank `s->rank`'s weights: views for the matrices, fp32 copies of the small vectors. */
+static void build_weights(Weights *w, const Checkpoint *ck, const Config *c, const Shard *s) {
+    char name[64];
+    int H = c->hidden;
+    memset(w, 0, sizeof *w);
+    /* the embedding table (backbone.embedding in older NVIDIA checkpoints) is no projection: its
+       format is not checked against the config, whose exclude lists leave it out */
+    const char *emb = st_find(ck, "embeddings.weight") || !st_find(ck, "embedding.weight") ? "embeddings" : "embedding";
+    w->embed = load_mat(ck, emb, c->vocab, H, 0, c->vocab, 0, H, 0);
+    w->lm_head = load_mat(ck, "lm_head", c->vocab, H, (long)s->rank * s->vocab, s->vocab, 0, H, 1);
+    w->norm_f = small_f32(st_get(ck, "norm_f.weight", H, 0), 0, (size_t)H);
+    for (int l = 0; l < n_all(c); l++) {
+        int i = l - c->n_layers;   /* the MTP block's sublayer i */
+        if (i < 0) snprintf(name, sizeof name, "layers.%d", l);
+        else snprintf(name, sizeof name, "mtp.layers.%d", i);
+        build_layer(&w->layer[l], c->kind[l], name, ck, c, s);
+    }
+    if (c->n_mtp) {   /* its input norms and projection on sublayer 0, its final norm on the last */
+        int last = c->n_mtp - 1;
+        w->enorm = small_f32(st_get(ck, "mtp.layers.0.enorm.weight", H, 0), 0, (size_t)H);
+        w->hnorm = small_f32(st_get(ck, "mtp.layers.0.hnorm.weight", H, 0), 0, (size_t)H);
+        w->eh_proj = load_mat(ck, "mtp.layers.0.eh_proj", H, 2L * H, 0, H, 0, 2L * H, 1);
+        snprintf(name, sizeof name, "mtp.layers.%d.final_layernorm.weight", last);
+        w->mtp_norm = small_f32(st_get(ck, name, H, 0), 0, (size_t)H);
+    }
+}
+
 static void free_weights(Weights *w, const Config *c) {
-    free(w->norm_f);
-    for (int l = 0; l < c->n_layers; l++) {
+    free(w->norm_f); free(w->enorm); free(w->hnorm); free(w->mtp_norm);
+    for (int l = 0; l < n_all(c); l++) {
         Layer *L = &w->layer[l];
         free(L->norm); free(L->conv_w); free(L->conv_b); free(L->A); free(L->D); free(L->dt_bias); free(L->gnorm);
         free(L->gate); free(L->gate_bias); free(L->eup); free(L->edown);
@@ -2973,14 +3244,14 @@ typedef struct {
     uint64_t seed;              /* sampling seed */
     int hide_think;             /* --hide-think: print no reasoning */
     FILE *dump;                 /* --dump-logits: every position's logits as last computed, at exit */
+    int mtp;                    /* --mtp: drafts a step (0: none) */
 } ChatOpts;
 
 typedef struct {
     int *ids, n;                /* the tokens the engine has consumed, in order */
     size_t cap;                 /* allocated ids */
     int snap;                   /* position snapshot slot 1 holds (a turn boundary), -1: none */
-    float *rows;                /* [rows_cap / vocab, vocab] with --dump-logits: each position's logits */
-    size_t rows_cap;            /* allocated floats of rows */
+    Decoder d;                  /* the decoder, which keeps each position's logits for --dump-logits */
 } ChatState;
 
 static int is_eos(const Config *c, int id);
@@ -3235,23 +3506,6 @@ static void chat_load(Chat *ch, const char *path) {
     if (!ch->n_msg || ch->msg[ch->n_msg - 1].role != 'u') die("-f %s: the conversation must end with a user message", path);
 }
 
-/* Runs tokens tok[0..T) at positions pos.., keeping their logits for --dump-logits. */
-static void chat_forward(Engine *e, ChatState *cs, const int *tok, int T, int pos, const ChatOpts *o) {
-    size_t V = (size_t)e->c.vocab;
-    engine_forward(e, tok, T, pos, o->dump != NULL);
-    if (!o->dump) return;
-    cs->rows = tok_grow(cs->rows, &cs->rows_cap, ((size_t)pos + T) * V, sizeof(float));
-    memcpy(cs->rows + pos * V, e->be->host_logits(&e->rank[0], T), T * V * sizeof(float));
-}
-
-/* Prefills ids[from..to) at their positions, in chunks of t_max. */
-static void chat_prefill(Engine *e, ChatState *cs, const int *ids, int from, int to, const ChatOpts *o) {
-    for (int pos = from, T; pos < to; pos += T) {
-        T = to - pos < e->rank[0].t_max ? to - pos : e->rank[0].t_max;
-        chat_forward(e, cs, ids + pos, T, pos, o);
-    }
-}
-
 static int common_prefix(const int *a, int na, const int *b, int nb) {
     int k = 0;
     while (k < na && k < nb && a[k] == b[k]) k++;
@@ -3290,21 +3544,21 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
     memcpy(cs->ids, ids, (size_t)n * sizeof(int));
     double t0 = now_s();
     if (start <= bound) {
-        chat_prefill(e, cs, ids, start, bound, o);
+        dec_prefill(&cs->d, ids, start, bound, n);
         engine_snapshot(e, 1, 1), cs->snap = bound;
     }
-    chat_prefill(e, cs, ids, start > bound ? start : bound, n, o);
+    dec_prefill(&cs->d, ids, start > bound ? start : bound, n, n);
     double prefill_s = now_s() - t0;
-    free(ids);
 
     /* the reply: reasoning (until </think>) dimmed on a terminal, or not shown with --hide-think */
-    int pos = n, made = 0, *reply = xmalloc((size_t)(ctx - n + 1) * sizeof(int));
+    int made = 0, *reply = xmalloc((size_t)(ctx - n + 1) * sizeof(int));
     int thinking = !strcmp(opening, "<think>\n") && ch->think_end >= 0, tty = isatty(1);
     TokStream ts = {0};
     if (thinking && tty && !o->hide_think) fputs("\033[2m", stdout);
     sigint_armed = 1, sigint_stop = 0;
+    cs->d.left = o->n;
     for (int i = 0; i < o->n && !sigint_stop; i++) {
-        int next = engine_sample(e, o->temp, o->topp, o->seed, (uint64_t)pos);
+        int next = dec_next(&cs->d);
         if (next == ch->end_turn || is_eos(&e->c, next)) break;
         reply[made++] = next;
         if (!thinking || !o->hide_think) tok_stream_put(tok, &ts, next, stdout);
@@ -3313,11 +3567,12 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
             thinking = 0;
             if (tty && !o->hide_think) fputs("\033[0m", stdout);
         }
-        if (pos + 1 >= ctx) { fprintf(stderr, "nemoh: the reply stopped at the end of the context (%d tokens; -c sets it)\n", ctx); break; }
+        if (dec_at(&cs->d) + 1 >= ctx) { fprintf(stderr, "nemoh: the reply stopped at the end of the context (%d tokens; -c sets it)\n", ctx); break; }
         if (i == o->n - 1) break;
-        chat_forward(e, cs, &next, 1, pos, o);
-        cs->ids[pos++] = next;
+        cs->ids[dec_at(&cs->d)] = next;   /* fed by the next step */
     }
+    dec_stop(&cs->d);
+    free(ids);
     sigint_armed = 0;
     tok_stream_end(tok, &ts, stdout);
     if (thinking && tty && !o->hide_think) fputs("\033[0m", stdout);
@@ -3326,7 +3581,7 @@ static void chat_turn(Engine *e, Chat *ch, ChatState *cs, const Tokenizer *tok, 
     double decode_s = now_s() - t0 - prefill_s;
     fprintf(stderr, "nemoh: turn %d: prefilled %d of %d tokens in %.3f s (from %s); decoded %d token%s in %.3f s (%.1f tok/s)\n",
             turn, n - start, n, prefill_s, from, made, made == 1 ? "" : "s", decode_s, made / decode_s);
-    cs->n = pos;
+    cs->n = cs->d.pos;
     size_t len;
     char *text = tok_decode(tok, reply, made, &len), *content = xmalloc(strlen(opening) + len + 1);
     memcpy(content, opening, strlen(opening));
@@ -3369,7 +3624,8 @@ static char *chat_read(size_t *len) {
  * on stdin. With --dump-logits, the logits of every position of the conversation as the engine last
  * computed them, and its ids on stderr. */
 static void chat_run(Engine *e, Chat *ch, const Tokenizer *tok, const ChatOpts *o, int interactive) {
-    ChatState cs = {.snap = -1};
+    ChatState cs = {.snap = -1, .d = {.e = e, .k = o->mtp, .temp = o->temp, .topp = o->topp, .seed = o->seed,
+                                      .ctx = e->rank[0].ctx, .dump = o->dump != NULL}};
     engine_snapshot(e, 0, 1);   /* slot 0: the empty state, for "from the start" */
     int turn = 1;
     if (interactive) signal(SIGINT, on_sigint);
@@ -3380,14 +3636,13 @@ static void chat_run(Engine *e, Chat *ch, const Tokenizer *tok, const ChatOpts *
         chat_turn(e, ch, &cs, tok, o, turn++);
     }
     if (o->dump) {
-        if (fwrite(cs.rows, sizeof(float), (size_t)cs.n * e->c.vocab, o->dump) != (size_t)cs.n * e->c.vocab)
-            die("--dump-logits: write failed");
+        dump_rows(cs.d.rows, cs.n, e->c.vocab, o->dump, "--dump-logits");
         fprintf(stderr, "nemoh: conversation ids:");
         for (int i = 0; i < cs.n; i++) fprintf(stderr, " %d", cs.ids[i]);
         fprintf(stderr, "\n");
     }
     free(cs.ids);
-    free(cs.rows);
+    free(cs.d.rows);
 }
 
 static void chat_free(Chat *ch) {
@@ -3404,6 +3659,8 @@ typedef struct {
     float temp, topp;           /* sampling temperature (0: greedy), top-p */
     uint64_t seed;              /* sampling seed */
     FILE *dump;                 /* --dump-logits file, or NULL */
+    FILE *dump_mtp;             /* --dump-mtp file, or NULL */
+    int mtp;                    /* --mtp: drafts a step (0: none) */
     int trace;                  /* --trace */
     int quiet;                  /* print nothing (--bench) */
     const Tokenizer *tok;       /* stream generated text through it; NULL: print token ids */
@@ -3414,6 +3671,8 @@ typedef struct {
     int prefilled;              /* prompt tokens run (fewer than the prompt's after Ctrl-C) */
     int made;                   /* tokens generated */
     int full;                   /* 1: stopped because the context was full */
+    long steps, fed, accepted;  /* drafting: verify steps, drafts fed, drafts accepted */
+    long hist[SPEC_MAX + 1];    /* steps by drafts accepted */
 } GenStats;
 
 static int is_eos(const Config *c, int id) {
@@ -3421,41 +3680,46 @@ static int is_eos(const Config *c, int id) {
     return 0;
 }
 
-static void dump_rows(Engine *e, FILE *f, int rows) {
-    const float *l = e->be->host_logits(&e->rank[0], rows);
-    if (fwrite(l, sizeof(float), (size_t)rows * e->c.vocab, f) != (size_t)rows * e->c.vocab) die("--dump-logits: write failed");
-}
-
-/* Prefill the prompt (in chunks of t_max), then sample, print and feed back one token at a time;
- * Ctrl-C (on_sigint) stops either at the next step. */
+/* Prefill the prompt (in chunks of t_max), then sample, print and feed back one token at a time, or
+ * a step's accepted tokens at a time with drafting (Decoder); Ctrl-C (on_sigint) stops either at the
+ * next step. */
 static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOpts *o) {
-    int t_max = e->rank[0].t_max, ctx = e->rank[0].ctx, pos = 0;
-    GenStats st = {0, 0, 0, 0, 0};
+    int ctx = e->rank[0].ctx;
+    GenStats st = {0};
     TokStream ts = {0};
+    Decoder d = {.e = e, .k = o->mtp, .temp = o->temp, .topp = o->topp, .seed = o->seed, .ctx = ctx, .left = o->n,
+                 .dump = o->dump != NULL, .dump_mtp = o->dump_mtp != NULL};
+    const char *force = getenv("NEMOH_TEST_DRAFTS");
+    int *forced = force && o->mtp ? parse_ids(force, &d.n_force) : NULL;
+    d.force = forced;
     double t0 = now_s();
     sigint_armed = 1;
-    while (pos < n_prompt && !sigint_stop) {
-        int T = n_prompt - pos < t_max ? n_prompt - pos : t_max;
-        engine_forward(e, prompt + pos, T, pos, o->dump != NULL);
-        if (o->dump) dump_rows(e, o->dump, T);
-        pos += T;
+    while (d.pos < n_prompt && !sigint_stop) {   /* one chunk at a time, so that Ctrl-C stops between them */
+        int T = n_prompt - d.pos < e->rank[0].t_max ? n_prompt - d.pos : e->rank[0].t_max;
+        dec_prefill(&d, prompt, d.pos, d.pos + T, n_prompt);
     }
-    st.prefilled = pos;
+    st.prefilled = d.pos;
     for (int i = 0; i < o->n && !sigint_stop; i++) {
-        int next = engine_sample(e, o->temp, o->topp, o->seed, (uint64_t)pos);
+        for (int k = 0; k < e->n; k++) e->rank[k].trace = o->trace && i == 1;
+        if (o->trace && i == 1 && !o->quiet) fflush(stdout), fputc('\n', stderr);   /* the trace on a line of its own */
+        int next = dec_next(&d);
         if (i == 0) st.prefill_s = now_s() - t0;  /* includes the first token's sampling */
         int eos = is_eos(&e->c, next);
         if (!o->quiet && o->tok && !eos) tok_stream_put(o->tok, &ts, next, stdout);  /* flushes whole characters */
         if (!o->quiet && !o->tok) printf("%s%d", st.made ? " " : "", next);
         if (!o->quiet) check_stdout();
         st.made++;
-        st.full = !eos && i < o->n - 1 && pos == ctx;
-        if (eos || i == o->n - 1 || pos == ctx) break;
-        for (int k = 0; k < e->n; k++) e->rank[k].trace = o->trace && i == 0;
-        if (o->trace && i == 0 && !o->quiet) fflush(stdout), fputc('\n', stderr);   /* the trace on a line of its own */
-        engine_forward(e, &next, 1, pos++, 0);
-        if (o->dump) dump_rows(e, o->dump, 1);
+        st.full = !eos && i < o->n - 1 && dec_at(&d) == ctx;
+        if (eos || i == o->n - 1 || dec_at(&d) == ctx) break;
     }
+    for (int k = 0; k < e->n; k++) e->rank[k].trace = 0;
+    if (o->dump) dump_rows(d.rows, st.made ? dec_at(&d) : d.pos, e->c.vocab, o->dump, "--dump-logits");
+    if (o->dump_mtp && st.made) dump_rows(d.mtp_rows, dec_at(&d), e->c.vocab, o->dump_mtp, "--dump-mtp");
+    st.steps = d.steps, st.fed = d.fed, st.accepted = d.accepted;
+    memcpy(st.hist, d.hist, sizeof st.hist);
+    free(d.rows);
+    free(d.mtp_rows);
+    free(forced);
     if (!o->quiet && o->tok) tok_stream_end(o->tok, &ts, stdout);
     if (!o->quiet) {
         printf("\n");
@@ -3516,18 +3780,28 @@ static double host_copy_gbps(void) {
 }
 
 /* --bench: a prompt of prompt_len (-P) random tokens, then n greedy tokens; one table. */
+/* The end-of-run line of drafting: steps, acceptance length (tokens a step emits), drafts accepted. */
+static void print_drafting(const GenStats *st, int k) {
+    fprintf(stderr, "nemoh: mtp: %d draft%s a step; %ld steps, acceptance length %.2f (%ld of %ld drafts accepted; steps by accepted:",
+            k, k == 1 ? "" : "s", st->steps, st->steps ? (double)(st->steps + st->accepted) / st->steps : 0.0, st->accepted, st->fed);
+    for (int i = 0; i <= k; i++) fprintf(stderr, " %ld", st->hist[i]);
+    fprintf(stderr, ")\n");
+}
+
 static void bench(Engine *e, const char *model, int prompt_len, int n, int gpu) {
     Rank *r = &e->rank[0];
     if (prompt_len < 1 || prompt_len + n > r->ctx) die("--bench: -P %d plus -n %d tokens exceed the context of %d (-c)", prompt_len, n, r->ctx);
     if (e->c.vocab < 4) die("--bench: vocab_size %d: the random prompt draws ids from 3 up (0 to 2 are special)", e->c.vocab);
     int *prompt = xmalloc((size_t)prompt_len * sizeof(int));
     for (int i = 0; i < prompt_len; i++) prompt[i] = 3 + (int)(coin(99, (uint64_t)i) * (e->c.vocab - 3));
-    GenOpts o = {n, 0, 1, 0, NULL, 0, 1, NULL}, warm = o;
-    warm.n = 4;
-    /* warm-up, the same prompt: libraries load the kernels for these shapes and the decode graph is
+    GenOpts o = {.n = n, .temp = 0, .topp = 1, .quiet = 1}, warm = o;
+    warm.n = 4 + 2 * r->spec;
+    warm.mtp = r->spec;
+    /* warm-up, the same prompt: libraries load the kernels for these shapes and the decode graphs are
        captured here, not in the timed run (the state it leaves behind changes the numbers, not the work) */
     generate(e, prompt, prompt_len, &warm);
-    GenStats st = generate(e, prompt, prompt_len, &o);
+    GenStats st = generate(e, prompt, prompt_len, &o), sd = {0};
+    if (r->spec) o.mtp = r->spec, sd = generate(e, prompt, prompt_len, &o);   /* the same, drafting */
     double copy = gpu ? 0 : host_copy_gbps(), ms = st.made > 1 ? st.decode_s * 1e3 / (st.made - 1) : 0;
     double bytes = decode_bytes(r, prompt_len + st.made / 2, gpu), gbps = ms > 0 ? bytes / (ms * 1e-3) / 1e9 : 0;
     const char *device = "CPU", *path = r->fuse ? "fused" : "all-reduce at layer end (--no-fuse)";
@@ -3544,7 +3818,14 @@ static void bench(Engine *e, const char *model, int prompt_len, int n, int gpu) 
     printf("| device | %s%s, copy bandwidth %.0f GB/s (read + write, measured now) |\n", device, gpu ? "" : " (host memory)", copy);
     printf("| model | %s |\n| tensor parallel | %d rank%s, %s |\n", model, e->n, e->n > 1 ? "s" : "", path);
     printf("| prefill | %d tokens in %.3f s: %.0f tok/s |\n", prompt_len, st.prefill_s, prompt_len / st.prefill_s);
-    printf("| decode | %d tokens: %.3f ms/token, %.1f tok/s |\n", st.made, ms, ms > 0 ? 1e3 / ms : 0);
+    printf("| decode | %d tokens: %.3f ms/token, %.1f tok/s%s |\n", st.made, ms, ms > 0 ? 1e3 / ms : 0, r->spec ? " (no drafts)" : "");
+    if (r->spec && sd.made > 1 && sd.steps) {
+        double dms = sd.decode_s * 1e3 / (sd.made - 1), step = sd.decode_s * 1e3 / sd.steps, al = (double)(sd.steps + sd.accepted) / sd.steps;
+        printf("| decode, %d drafts a step (--mtp) | %d tokens: %.3f ms/token, %.1f tok/s, %.2fx; acceptance length %.2f |\n", r->spec,
+               sd.made, dms, 1e3 / dms, ms / dms, al);
+        printf("| one drafting step | %.3f ms (verify %d tokens, %d MTP passes): drafting pays from acceptance length %.2f |\n", step,
+               r->spec + 1, r->spec, step / ms);
+    }
     printf("| bytes per decoded token | %.3f GB per rank (weights%s, Mamba state read + write, KV cache) |\n", bytes / 1e9,
            has_kind(&e->c, K_MOE) ? " with the chosen routed experts only" : "");
     printf("| achieved | %.0f GB/s per rank, %.1f%% of the copy bandwidth |\n", gbps, copy > 0 ? 100 * gbps / copy : 0);
@@ -3716,12 +3997,13 @@ static void check_tp(const Config *c, int n) {
 #ifndef NEMOH_NO_MAIN
 int main(int argc, char **argv) {
     const char *dir = "weights", *ids_arg = NULL, *prompt = NULL, *dump_path = NULL, *preset = NULL, *tp_arg = "1";
+    const char *mtp_path = NULL;
     const char *tok_path = NULL, *prompt_file = NULL;
     int ctx = 0, use_cpu = 0, have_seed = 0, fuse = 1, graph = 1, chunk = 0, do_bench = 0, bench_ar = 0, P = 512;
-    int hidden = 4096, n_set = 0, encode = 0, print_ids = 0, chat = 0, interactive = 0, hide_think = 0, rc = 0;
+    int hidden = 4096, n_set = 0, encode = 0, print_ids = 0, chat = 0, interactive = 0, hide_think = 0, rc = 0, mtp = -1;
     const char *system = NULL;
     Chat ch = {.think = -1};
-    GenOpts o = {256, 0.8f, 0.95f, 0, NULL, 0, 0, NULL};
+    GenOpts o = {.n = 256, .temp = 0.8f, .topp = 0.95f};
     if (fcntl(STDOUT_FILENO, F_GETFD) < 0) die("stdout is closed");   /* else a file opened later would take its place */
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -3741,6 +4023,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--encode")) encode = 1;
         else if (!strcmp(a, "--print-ids")) print_ids = 1;
         else if (!strcmp(a, "--dump-logits")) dump_path = VALUE();
+        else if (!strcmp(a, "--dump-mtp")) mtp_path = VALUE();
+        else if (!strcmp(a, "--mtp")) mtp = arg_int(a, VALUE(), 0, SPEC_MAX);
         else if (!strcmp(a, "--random")) preset = VALUE();
         else if (!strcmp(a, "--tp")) tp_arg = VALUE();
         else if (!strcmp(a, "--no-fuse")) fuse = 0;
@@ -3794,6 +4078,11 @@ int main(int argc, char **argv) {
     else if (!encode) config_load(&e.c, dir);
     else if (!tok_path) model_dir(dir);
     if (ctx == 0) ctx = e.c.ctx;
+    if (mtp > 0 && !e.c.n_mtp && !encode)
+        die("--mtp %d: %s has no multi-token prediction block (num_nextn_predict_layers)", mtp, preset ? preset : dir);
+    if (mtp < 0) mtp = e.c.n_mtp ? MTP_DEFAULT : 0;
+    if (!mtp) e.c.n_mtp = 0;   /* the block is not read: --mtp 0 runs a model whose MTP tensors are broken */
+    if (mtp_path && !mtp) die("--dump-mtp: needs drafting (a model with an MTP block, and not --mtp 0)");
 
     /* the tokenizer: --tokenizer FILE, else the model directory's tokenizer.json when there is one */
     char tpath[4096];
@@ -3869,16 +4158,19 @@ int main(int argc, char **argv) {
         if (tokens[i] >= e.c.vocab) die("--ids: token id %d is outside the vocabulary (vocab_size %d)", tokens[i], e.c.vocab);
     if (n_prompt > ctx) die("the prompt is more than the context of %d tokens (-c)", ctx);
     if (dump_path && !(o.dump = fopen(dump_path, "wb"))) die("--dump-logits %s: cannot open for writing", dump_path);
+    if (mtp_path && !(o.dump_mtp = fopen(mtp_path, "wb"))) die("--dump-mtp %s: cannot open for writing", mtp_path);
+    o.mtp = mtp;
 
     int t_max = chunk ? chunk : gpus ? 2048 : 128;
+    if (t_max < mtp + 1) t_max = mtp + 1;   /* a step verifies the last token and its drafts in one forward */
     if (t_max > ctx) t_max = ctx;
     cpu_threads = (int)sysconf(_SC_NPROCESSORS_ONLN) / tp;
     if (cpu_threads < 1) cpu_threads = 1;
-    build_engine(&e, &ck, be, tp, t_max, ctx, fuse, o.dump ? t_max : 1, graph);
+    build_engine(&e, &ck, be, tp, t_max, ctx, fuse, o.dump || o.dump_mtp ? t_max : mtp + 1, graph, mtp);
     GenOpts shown = o;
     if (do_bench) shown.temp = 0;   /* --bench decodes greedily */
     print_loaded(&e, preset ? preset : dir, now_s() - t0, &shown);
-    if (n_mtp) fprintf(stderr, "nemoh: %d mtp.* tensors (multi-token prediction heads) are not used\n", n_mtp);
+    if (n_mtp && !mtp) fprintf(stderr, "nemoh: %d mtp.* tensors (multi-token prediction heads) are not used\n", n_mtp);
     if (ctx > e.c.ctx)
         fprintf(stderr, "nemoh: note: -c %d is more than the %d positions the model was trained on (max_position_embeddings)\n",
                 ctx, e.c.ctx);
@@ -3887,7 +4179,7 @@ int main(int argc, char **argv) {
     if (do_bench) {
         bench(&e, preset ? preset : dir, P, n_set ? o.n : 256, gpus > 0);
     } else if (chat) {
-        ChatOpts co = {o.n, o.temp, o.topp, o.seed, hide_think, o.dump};
+        ChatOpts co = {o.n, o.temp, o.topp, o.seed, hide_think, o.dump, mtp};
         chat_run(&e, &ch, tok, &co, interactive);
     } else {
         if (o.tok) {  /* the prompt first (ids as the tokenizer decodes them), then the continuation */
@@ -3902,11 +4194,13 @@ int main(int argc, char **argv) {
         fprintf(stderr, "nemoh: prefill %d token%s in %.3f s (%.1f tok/s); decode %d token%s in %.3f s (%.1f tok/s)\n",
                 st.prefilled, st.prefilled == 1 ? "" : "s", st.prefill_s, st.prefilled ? st.prefilled / st.prefill_s : 0.0,
                 st.made, st.made == 1 ? "" : "s", st.decode_s, st.made > 1 ? (st.made - 1) / st.decode_s : 0.0);
+        if (mtp) print_drafting(&st, mtp);
         if (st.full) fprintf(stderr, "nemoh: stopped at the end of the context (%d tokens; -c sets it)\n", ctx);
         if (sigint_stop) fprintf(stderr, "nemoh: interrupted (Ctrl-C)\n"), rc = 130;
     }
     check_stdout();
     if (o.dump && fclose(o.dump) != 0) die("--dump-logits %s: write failed", dump_path);
+    if (o.dump_mtp && fclose(o.dump_mtp) != 0) die("--dump-mtp %s: write failed", mtp_path);
     free_engine(&e);
     free_checkpoint(&ck);
     free(tokens);
