@@ -19,6 +19,13 @@ fail() { FAIL=$((FAIL + 1)); echo "FAILED  $1"; [ -n "${2:-}" ] && printf '%s\n'
 check() { local name=$1 out; shift; if out=$("$@" 2>&1); then pass "$name"; else fail "$name" "$out"; fi; }
 # same NAME GOT WANT: passes when GOT is WANT; shows both when it is not
 same() { if [ "$2" = "$3" ]; then pass "$1"; else fail "$1" "got:      $2"$'\n'"expected: $3"; fi; }
+# refuse NAME EXPECT CMD...: CMD must exit 1 with exactly one stderr line containing EXPECT
+refuse() {
+    local name=$1 expect=$2 err rc; shift 2
+    err=$("$@" 2>&1 >/dev/null); rc=$?
+    if [ $rc -eq 1 ] && [ "$(printf '%s\n' "$err" | wc -l)" -eq 1 ] && [[ "$err" == *"$expect"* ]]; then pass "$name"
+    else fail "$name" "exit $rc, expected 1 and one line containing \"$expect\":"$'\n'"$err"; fi
+}
 finish() { echo "$PASS passed, $FAIL failed"; [ "$FAIL" -eq 0 ]; exit; }
 
 # ---- build ----
@@ -111,20 +118,57 @@ for san in "" "-fsanitize=address,undefined -fno-sanitize-recover=all"; do
         pass "$tag quantized matrices dequantized as the generator does, bit for bit ($(tail -1 <<< "$out"))"
     else fail "$tag quantized matrices dequantized as the generator does, bit for bit" "$(grep -v '^ok' <<< "$out" | tail -20)"; fi
 done
+refuse "bad input: --mtp on a model without an MTP block" "has no multi-token prediction block" ./nemoh --cpu -m tests/fixtures/tiny-f32 --ids 1 --mtp 2
+refuse "bad input: --mtp past the most drafts a step" "--mtp: expected an integer in [0, 8]" ./nemoh --cpu -m tests/fixtures/tiny-moe-bf16 --ids 1 --mtp 9
 refuse "bad input: a --tp that cuts an NVFP4 block" "cuts a 16-element block" ./nemoh --cpu -m tests/fixtures/tiny-q-mixed-latent --ids "1 2" -n 1 --tp 4
 
-# ---- MoE checkpoints: NVIDIA's mtp.* heads are named once as unused, not refused ----
-n=$(grep -c 'mtp\.\* tensors (multi-token prediction heads) are not used' "$T/cpu tiny-moe-bf16.bin.err")
-same "tiny-moe-bf16: its mtp.* tensors named once on stderr as unused" "$n" 1
+# ---- multi-token prediction: drafts verified in one forward emit exactly the plain stream ----
+# Every fixture with an MTP block: greedy --mtp K with drafts forced from the recorded plain run, the
+# one at (step mod (K + 1)) corrupted (NEMOH_TEST_DRAFTS), so that every accepted count 0..K occurs and
+# the Mamba state rewinds to every offset, equals --mtp 0 token for token and logits bit for bit.
+mtp_steps() { grep -o 'steps by accepted:[0-9 ]*' "$1" | cut -d: -f2; }
+for d in $(grep -l '"num_nextn_predict_layers": [1-9]' tests/fixtures/tiny-*/config.json | xargs -n1 dirname); do
+    f=$(basename "$d") ids=$(cat "$d/prompt.txt")
+    for tp in 1 2; do
+        plain=$(./nemoh --cpu -m "$d" --ids "$ids" -n 48 -t 0 --mtp 0 --tp $tp --dump-logits "$T/$f-m0.bin" 2>/dev/null)
+        for k in 1 3 8; do
+            got=$(NEMOH_TEST_DRAFTS="$plain" ./nemoh --cpu -m "$d" --ids "$ids" -n 48 -t 0 --mtp $k --tp $tp --dump-logits "$T/$f-m$k.bin" 2>"$T/$f-m$k.err")
+            h=$(mtp_steps "$T/$f-m$k.err")
+            if [ "$got" = "$plain" ] && [ -n "$h" ] && ! grep -qw 0 <<< "$h"; then pass "$f --mtp $k --tp $tp: forced drafts, every accepted count 0..$k ($h), tokens equal --mtp 0"
+            else fail "$f --mtp $k --tp $tp: forced drafts, every accepted count 0..$k, tokens equal --mtp 0" "got:      $got"$'\n'"expected: $plain"$'\n'"$(cat "$T/$f-m$k.err")"; fi
+            check "$f --mtp $k --tp $tp: logits of every position equal --mtp 0" "$T/compare_logits" "$T/$f-m$k.bin" "$T/$f-m0.bin" 0
+        done
+    done
+    got=$(./nemoh --cpu -m "$d" --ids "$ids" -n 48 -t 0.9 -s 5 --mtp 3 2>/dev/null)
+    same "$f -t 0.9: sampled tokens with the block's own drafts equal --mtp 0's" "$got" "$(./nemoh --cpu -m "$d" --ids "$ids" -n 48 -t 0.9 -s 5 --mtp 0 2>/dev/null)"
+    full && check "asan $f --mtp 3 --tp 2: forced drafts, tokens equal --mtp 0" \
+        sh -c "[ \"\$(NEMOH_TEST_DRAFTS='$plain' $ASAN -m $d --ids '$ids' -n 48 -t 0 --mtp 3 --tp 2 2>&1 >/dev/null | grep -c mtp:)\" = 1 ] &&
+               [ \"\$(NEMOH_TEST_DRAFTS='$plain' $ASAN -m $d --ids '$ids' -n 48 -t 0 --mtp 3 --tp 2 2>/dev/null)\" = '$plain' ]"
+done
+# Sampling: speculative sampling draws from plain sampling's distribution. 400 seeds each, the first
+# three tokens at temperature 0.2 with the greedy run as drafts (some accepted, some not): same seeds
+# give the same tokens, and the total-variation distance between drafting's tokens and plain
+# sampling's on other seeds stays under 0.2, a bound that a sampler at temperature 0.3, or a rule that
+# accepted every draft (the greedy tokens always), exceeds.
+d=tests/fixtures/tiny-moe-bf16 ids=$(cat tests/fixtures/tiny-moe-bf16/prompt.txt)
+greedy=$(./nemoh --cpu -m $d --ids "$ids" -n 6 -t 0 --mtp 0 2>/dev/null)
+draws() {   # draws FIRST LAST TEMP MTP: the first 3 tokens for seeds FIRST..LAST
+    for s in $(seq "$1" "$2"); do
+        NEMOH_TEST_DRAFTS="$greedy" ./nemoh --cpu -m $d --ids "$ids" -n 4 -t "$3" -s "$s" --mtp "$4" 2>/dev/null | cut -d' ' -f1-3
+    done
+}
+tv() { awk 'FNR == NR { a[$0]++; n++; next } { b[$0]++; m++ }
+            END { for (k in a) s[k]; for (k in b) s[k]; for (k in s) { d = a[k] / n - b[k] / m; t += d < 0 ? -d : d } printf "%.3f", t / 2 }' "$1" "$2"; }
+draws 1 400 0.2 0 > "$T/plain"; draws 1 400 0.2 3 > "$T/spec"; draws 401 800 0.2 3 > "$T/spec2"; draws 1 400 0.3 0 > "$T/hot"
+for i in $(seq 400); do cut -d' ' -f1-3 <<< "$greedy"; done > "$T/always"
+same "speculative sampling: the same 400 seeds give the same tokens as plain sampling" "$(cat "$T/spec")" "$(cat "$T/plain")"
+v=$(tv "$T/spec2" "$T/plain") hot=$(tv "$T/hot" "$T/plain") always=$(tv "$T/always" "$T/plain")
+check "speculative sampling: TV to plain sampling $v < 0.2 (temperature 0.3: $hot, accepting every draft: $always, both > 0.2)" \
+    awk "BEGIN { exit !($v < 0.2 && $hot > 0.2 && $always > 0.2) }"
+n=$(./nemoh --cpu -m tests/fixtures/tiny-moe-bf16 --ids 1 -n 1 --mtp 0 2>&1 | grep -c 'mtp\.\* tensors (multi-token prediction heads) are not used')
+same "tiny-moe-bf16 --mtp 0: its mtp.* tensors named once on stderr as unused" "$n" 1
 
 # ---- bad input: exit status 1 and one line on stderr naming the problem, never a crash ----
-# refuse NAME EXPECT CMD...: CMD must exit 1 with exactly one stderr line containing EXPECT
-refuse() {
-    local name=$1 expect=$2 err rc; shift 2
-    err=$("$@" 2>&1 >/dev/null); rc=$?
-    if [ $rc -eq 1 ] && [ "$(printf '%s\n' "$err" | wc -l)" -eq 1 ] && [[ "$err" == *"$expect"* ]]; then pass "$name"
-    else fail "$name" "exit $rc, expected 1 and one line containing \"$expect\":"$'\n'"$err"; fi
-}
 # refuse_run NAME EXPECT STDOUT CMD...: the same for an error while generating, after the "loaded"
 # line, with CMD's stdout sent to the file STDOUT ("-": closed)
 refuse_run() {
