@@ -1994,7 +1994,7 @@ static void free_checkpoint(Checkpoint *ck) {
 /* Finds a tensor under NVIDIA's `backbone.` prefix or transformers' `model.` prefix (or none). */
 static const Tensor *st_find(const Checkpoint *ck, const char *name) {
     static const char *prefix[] = {"backbone.", "model.", ""};
-    char full[256];
+    char full[640];
     for (int p = 0; p < 3; p++) {
         snprintf(full, sizeof full, "%s%s", prefix[p], name);
         const Tensor *t = st_lookup(ck, full);
@@ -2997,6 +2997,7 @@ typedef struct {
     const char *name;
     int n_experts, top_k, moe, shared, latent;
     float routed_scale;
+    const char *mtp;            /* the MTP block's pattern, NULL: none */
 } MoePreset;
 
 /* Shapes from the published config.json files (Megatron-Bridge's nemotron_h_provider.py agrees). */
@@ -3022,8 +3023,8 @@ static const Preset presets[] = {
     {"synthetic-100m", 768, 6, 2, 128, 3072, 24, 64, 8, 128, 32768, 4096, "M-M-M*-M-M-M*-"},
 };
 static const MoePreset moe_presets[] = {
-    {"nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 0, 2.5f},
-    {"nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 1024, 5.0f},
+    {"nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 0, 2.5f, NULL},
+    {"nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 1024, 5.0f, "*E"},
 };
 
 /* A preset by name; a suffix -fp8 or -nvfp4 asks for the quantized release's layout (*quant: DT_FP8,
@@ -3053,6 +3054,8 @@ static void preset_config(Config *c, const Preset *p) {
         if (strcmp(m->name, p->name)) continue;
         c->n_experts = m->n_experts; c->top_k = m->top_k; c->moe = m->moe; c->shared = m->shared; c->latent = m->latent;
         c->n_group = c->topk_group = 1; c->norm_topk = 1; c->routed_scale = m->routed_scale;
+        c->n_mtp = m->mtp ? (int)strlen(m->mtp) : 0;
+        if (m->mtp) memcpy(c->kind + c->n_layers, m->mtp, (size_t)c->n_mtp);
     }
 }
 
@@ -3165,10 +3168,14 @@ static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t se
     add_random(ck, "backbone.embeddings.weight", DT_BF16, c->vocab, H, W_MAT, seed, host);
     add_random(ck, "backbone.norm_f.weight", DT_F32, H, 0, W_ONE, seed, host);
     add_random(ck, "lm_head.weight", DT_BF16, c->vocab, H, W_MAT, seed, host);
-    for (int l = 0; l < c->n_layers; l++) {
-#define ADD(field, dt, d0, d1, what) (snprintf(nm, sizeof nm, "backbone.layers.%d.%s", l, field), add_random(ck, nm, dt, d0, d1, what, seed, host))
-#define MAT(field, what, d0, d1) (snprintf(nm, sizeof nm, "backbone.layers.%d.mixer.%s", l, field), \
-                                  add_matrix(ck, nm, preset_fmt(c, quant, l, what, mamba, moe, attn, n_attn), d0, d1, seed, host))
+    /* the blocks, then the MTP block's sublayers, which the quantized releases keep in bf16 */
+    for (int l = 0; l < n_all(c); l++) {
+        char pre[32];
+        int mtp = l >= c->n_layers;
+        snprintf(pre, sizeof pre, mtp ? "mtp.layers.%d" : "backbone.layers.%d", mtp ? l - c->n_layers : l);
+#define ADD(field, dt, d0, d1, what) (snprintf(nm, sizeof nm, "%s.%s", pre, field), add_random(ck, nm, dt, d0, d1, what, seed, host))
+#define MAT(field, what, d0, d1) (snprintf(nm, sizeof nm, "%s.mixer.%s", pre, field), \
+                                  add_matrix(ck, nm, preset_fmt(c, mtp ? 0 : quant, l, what, mamba, moe, attn, n_attn), d0, d1, seed, host))
         ADD("norm.weight", DT_F32, H, 0, W_ONE);
         if (c->kind[l] == K_MAMBA) {
             MAT("in_proj", "in_proj", 2 * di + 2 * gn + c->m_heads, H);
@@ -3210,7 +3217,14 @@ static void build_random_checkpoint(Checkpoint *ck, const Config *c, uint64_t se
         }
 #undef ADD
 #undef MAT
-        draw_progress(l + 1, c->n_layers, t0, &shown);
+        draw_progress(l + 1, n_all(c), t0, &shown);
+    }
+    if (c->n_mtp) {
+        add_random(ck, "mtp.layers.0.enorm.weight", DT_F32, H, 0, W_ONE, seed, host);
+        add_random(ck, "mtp.layers.0.hnorm.weight", DT_F32, H, 0, W_ONE, seed, host);
+        add_matrix(ck, "mtp.layers.0.eh_proj", DT_BF16, H, 2 * H, seed, host);
+        snprintf(nm, sizeof nm, "mtp.layers.%d.final_layernorm.weight", c->n_mtp - 1);
+        add_random(ck, nm, DT_F32, H, 0, W_ONE, seed, host);
     }
     st_sort(ck);
 }
