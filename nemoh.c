@@ -3796,8 +3796,9 @@ static double host_copy_gbps(void) {
 /* --bench: a prompt of prompt_len (-P) random tokens, then n greedy tokens; one table. */
 /* The end-of-run line of drafting: steps, acceptance length (tokens a step emits), drafts accepted. */
 static void print_drafting(const GenStats *st, int k) {
+    if (!st->steps) { fprintf(stderr, "nemoh: mtp: no drafting step ran (the first token comes from the prompt)\n"); return; }
     fprintf(stderr, "nemoh: mtp: %d draft%s a step; %ld steps, acceptance length %.2f (%ld of %ld drafts accepted; steps by accepted:",
-            k, k == 1 ? "" : "s", st->steps, st->steps ? (double)(st->steps + st->accepted) / st->steps : 0.0, st->accepted, st->fed);
+            k, k == 1 ? "" : "s", st->steps, (double)(st->steps + st->accepted) / st->steps, st->accepted, st->fed);
     for (int i = 0; i <= k; i++) fprintf(stderr, " %ld", st->hist[i]);
     fprintf(stderr, ")\n");
 }
@@ -3935,6 +3936,9 @@ static void usage(void) {
           "  --ids \"1 2 3\"      the prompt as token ids (spaces or commas)\n"
           "  --print-ids        print generated token ids instead of text (the default without a tokenizer)\n"
           "  --dump-logits FILE float32 logits, one row of vocab_size per forward position\n"
+          "  --mtp K            draft K tokens a step with the model's multi-token prediction block and verify\n"
+          "                     them in one forward (0..8; default 3 when the model has one; 0: no drafting)\n"
+          "  --dump-mtp FILE    float32 logits of the MTP block, one row per position (the token after it known)\n"
           "  --tp N|all         tensor-parallel ranks (default 1; all: every visible GPU)\n"
           "  --no-fuse          all-reduce at each layer's end instead of fused into the next norm\n"
           "  --trace            print what each layer of the first decode step runs\n"

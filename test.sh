@@ -442,6 +442,10 @@ nm=$(grep -c '^layer .* moe .*fused all-reduce' <<< "$tr")
 [ "$got" = "moe mlp mamba attention moe mamba moe " ] && [ "$nm" -eq 2 ] && grep -q '^final .*plain all-reduce' <<< "$tr" \
     && pass "--trace on an MoE model: every layer's kind, moe partial sums reduced at the next entry" \
     || fail "--trace on an MoE model: every layer's kind, moe partial sums reduced at the next entry" "$tr"
+# and its MTP block ("*E"): a pass of its own, the same protocol, then its final_layernorm
+got=$(grep -A3 '^final .*norm_f' <<< "$tr" | tail -3 | awk '{print $1, $2, $3, $4}' | tr '\n' ' ')
+same "--trace: the MTP block's sublayers, moe reduced at its entry, then final_layernorm" "$got" \
+    "mtp 0 attention rmsnorm mtp 1 moe fused final plain all-reduce, then "
 
 # ---- fuzzing: the five libFuzzer harnesses of tests/fuzz, 20 s each, at once (make fuzz runs longer) ----
 out=$(if full; then tests/fuzz/run.sh 20 2>&1; else echo "skipped: fuzzing (./test.sh quick)"; fi)

@@ -4,7 +4,8 @@
  * "loaded" line). Every case differs from the good model in one thing only. A good model with
  * mixture-of-experts layers (n_routed_experts in its config) gets the MoE cases instead, and a
  * quantized one (ModelOpt: hf_quant_config.json or config.json's quantization_config) the quantized
- * cases: scales, block scales, the config's algorithm and exclude list against the tensors.
+ * cases: scales, block scales, the config's algorithm and exclude list against the tensors; one with
+ * a multi-token prediction block (num_nextn_predict_layers 1), its tensors' and keys' cases.
  *   make_bad GOOD_DIR OUT_DIR        (GOOD_DIR: config.json + model.safetensors [+ hf_quant_config.json]) */
 #include <stdint.h>
 #include <stdio.h>
@@ -161,6 +162,24 @@ static void moe_cases(void) {
     if (strstr(header, "fc1_latent_proj.weight\""))
         emit("moe-no-latent-proj", "fc1_latent_proj.weight not found", good_config,
              replace(header, "fc1_latent_proj.weight\"", "fc1_latent_prox.weight\""), 0, 0);
+}
+
+/* Broken variants of a good model with a multi-token prediction block: its tensors (which --mtp 0
+ * does not read) and its config keys. */
+static void mtp_cases(void) {
+    int list = strstr(good_config, "\"mtp_layers_block_type\": [") != NULL;
+    emit("good", "", good_config, header, 0, 0);  /* the control: must load */
+    emit("mtp-no-eh-proj", "mtp.layers.0.eh_proj.weight not found", good_config,
+         replace(header, "mtp.layers.0.eh_proj.weight\"", "mtp.layers.0.eh_prox.weight\""), 0, 0);
+    emit("mtp-no-final-norm", "final_layernorm.weight not found", good_config, replace(header, "final_layernorm.weight\"", "final_layernorx.weight\""), 0, 0);
+    emit("mtp-enorm-length", "mtp.layers.0.enorm.weight has shape", good_config, shorten("mtp.layers.0.enorm.weight"), 0, 0);
+    emit("mtp-no-attention", "mtp.layers.0.mixer.q_proj.weight not found", good_config,
+         replace(header, "mtp.layers.0.mixer.q_proj.weight\"", "mtp.layers.0.mixer.q_prox.weight\""), 0, 0);
+    emit("mtp-mamba", "the MTP block has a Mamba sublayer", list ? replace(good_config, "\"mtp_layers_block_type\": [", "\"mtp_layers_block_type\": [\"mamba\",")
+                                                                   : replace(good_config, "\"mtp_hybrid_override_pattern\": \"", "\"mtp_hybrid_override_pattern\": \"M"), header, 0, 0);
+    emit("mtp-two-blocks", "nemoh runs one MTP block", config_set("num_nextn_predict_layers", 2), header, 0, 0);
+    emit("mtp-unknown-kind", "unknown block type", list ? replace(good_config, "\"mtp_layers_block_type\": [", "\"mtp_layers_block_type\": [\"ssm\",")
+                                                        : replace(good_config, "\"mtp_hybrid_override_pattern\": \"", "\"mtp_hybrid_override_pattern\": \"X"), header, 0, 0);
 }
 
 /* ---- Quantized checkpoints (ModelOpt FP8 and NVFP4): a good model with hf_quant_config.json or a
@@ -398,6 +417,10 @@ int main(int argc, char **argv) {
     if (access(path, R_OK) == 0) good_hq = slurp(path, &n);
     if (good_hq || strstr(good_config, "\"quantization_config\"")) {
         quant_cases();
+        return 0;
+    }
+    if (strstr(good_config, "\"num_nextn_predict_layers\": 1")) {
+        mtp_cases();
         return 0;
     }
     if (strstr(good_config, "\"n_routed_experts\"")) {
