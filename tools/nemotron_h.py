@@ -141,6 +141,9 @@ class MTP(torch.nn.Module):
         got = [type(b.mixer).__name__ for b in self.layers]
         if len(self.layers) != len(pattern) or not all(isinstance(b.mixer, kinds[c]) for b, c in zip(self.layers, pattern)):
             raise SystemExit(f"MTP pattern {pattern!r}: transformers built the blocks {got}")
+        for b in self.layers:  # the backend each attention module reads is its config's
+            if isinstance(b.mixer, mh.NemotronHAttention) and getattr(b.mixer.config, "_attn_implementation", None) != "eager":
+                raise SystemExit("the MTP attention modules did not take eager attention")
         H, eps = kw["hidden_size"], kw["layer_norm_epsilon"]
         self.enorm = mh.NemotronHRMSNorm(H, eps=eps)
         self.hnorm = mh.NemotronHRMSNorm(H, eps=eps)
