@@ -12,11 +12,24 @@ For each fixture:
   ref.json                              prompt, greedy continuation, tolerance, component checks
   ref_logits.bin                        float32 [rows, vocab]: HF logits at every position of
                                         prompt + continuation[:-1] (what nemoh --dump-logits writes)
+  mtp_logits.bin                        MTP fixtures (tiny-mtp-*) only: float32 [rows, vocab], the same rows;
+                                        row p = the MTP block's logits at p, from h_p (the main model's
+                                        output after norm_f at p) and token s[p+1], s = prompt + continuation
 Weights are drawn at a trained-like scale and every component is checked to move the logits.
+MTP fixtures carry a multi-token-prediction block (num_nextn_predict_layers 1; its pattern as
+mtp_hybrid_override_pattern "*E", or as the list mtp_layers_block_type ["attention", "mlp"]) under mtp.*
+in NVIDIA's layout. transformers has no MTP forward: the oracle (tools/nemotron_h.py) runs transformers'
+NemotronH for h, then e = enorm(E[s[p+1]]), u = eh_proj([e ; hnorm(h_p)]), the sublayers as transformers'
+NemotronHBlocks with the mtp.layers.{i} weights (attention causal over the MTP positions, no positional
+encoding), logits = lm_head(final_layernorm(u)) (the main lm_head, no norm_f). ref.json "mtp" records its
+self-checks (the files read back; a float64 plain-torch MTP on the written tensors; causality; h is what
+feeds lm_head) and component checks (enorm, hnorm, both eh_proj halves, each sublayer's parts,
+final_layernorm each move the MTP logits); its tolerance is "cpu_tolerance".
 transformers' pure-torch Mamba path clamps dt at time_step_min; production kernels do not, so the
 reference is made with the clamp removed, with some dt_bias pushed low so that a clamping engine fails.
 MoE fixtures also avoid near-ties in the router (an engine's rounding must not flip an expert choice)
-and record the router's smallest choice margin.
+and record the router's smallest choice margin (over 4e-3 in tiny-mtp-latent-f32, main and MTP routers,
+whose router weights are redrawn until it is).
 
 Quantized fixtures (tiny-q-*; python3 tools/make_fixtures.py tests/fixtures 'tiny-q-*'): NVIDIA layout with
 chosen matrices in NVIDIA ModelOpt's on-disk form, every other matrix BF16 (vectors F32). FP8 per tensor:
@@ -39,7 +52,9 @@ from safetensors.torch import save_file
 import transformers
 from transformers import NemotronHConfig, NemotronHForCausalLM
 from transformers.models.nemotron_h import modeling_nemotron_h as mh
-from nemotron_h import nvidia_config, set_clamp
+from nemotron_h import (nvidia_config, set_clamp, eager_experts, MTP, MTP_LIST_NAME, gate_inputs, load_mtp,
+                        mtp_component_checks, mtp_expected_names, mtp_logits, mtp_nvidia_tensors, mtp_self_checks,
+                        router_gap)
 
 torch.set_num_threads(os.cpu_count() or 4)
 OUT = sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures"
@@ -112,6 +127,20 @@ FIXTURES = [
          prompt=27, gen=18, seed=24,
          quant=dict(algo="W4A16_NVFP4", kv=None, files="hf", exclude=["*.conv1d"], rules=[
                     ("*_proj", "NVFP4"), ("lm_head", "NVFP4"), ("backbone.embeddings", "NVFP4")])),
+    # multi-token prediction (MTP; mtp_logits.bin is the block's oracle). NVIDIA layout, F32, Nemotron-3-Super-like:
+    # latent MoE (16 experts top-4, no groups, a 32-wide latent, scaling 5.0), main layers M, *, E and -; one MTP
+    # block, mtp_hybrid_override_pattern "*E": an attention sublayer, then a latent-MoE sublayer (fc1/fc2_latent_proj,
+    # one tensor per expert, as the main 'E' layers). Every router, main and MTP, keeps its choices 4e-3 apart
+    # over the positions used (rmargin), so bf16 GPU products cannot flip an expert
+    dict(name="tiny-mtp-latent-f32", store="f32", layout="nvidia", shards=1, vocab=256, hidden=64,
+         pattern="MEM*E-", heads=8, kv=4, head_dim=8, mlp=32, m_heads=8, m_hdim=8, groups=4, state=8,
+         experts=16, top_k=4, n_group=1, topk_group=1, moe=16, shared=32, latent=32, norm_topk=True,
+         scale=5.0, mtp_ref="*E", rmargin=4e-3, prompt=23, gen=16, seed=31),
+    # dense MTP, NVIDIA layout, F32: main layers M, * and -; the MTP block given in the list form
+    # mtp_layers_block_type ["attention", "mlp"] (no mtp_hybrid_override_pattern key)
+    dict(name="tiny-mtp-f32", store="f32", layout="nvidia", shards=1, vocab=320, hidden=64,
+         pattern="M*-M-M-", heads=8, kv=4, head_dim=8, mlp=64, m_heads=8, m_hdim=8, groups=4, state=16,
+         mtp_ref="*-", mtp_list=True, prompt=27, gen=18, seed=32),
 ]
 TOL = {"f32": 1e-4, "bf16": 1e-4, "f16": 1e-4}  # nemoh computes in fp32 on the stored weights, as HF does here
 
@@ -164,16 +193,6 @@ def init_weights(model, f, g):
 
 def moe_mixers(model):
     return [layer.mixer for layer in model.model.layers if isinstance(layer.mixer, mh.NemotronHMoE)]
-
-
-def eager_experts(model):
-    """The loop over experts is transformers' reference; other backends differ only in rounding."""
-    if hasattr(model, "set_experts_implementation"):
-        try:
-            model.set_experts_implementation("eager")
-        except Exception as e:  # older or newer API: the default backend computes the same sums
-            print(f"note: set_experts_implementation('eager'): {type(e).__name__}: {e}")
-    return model
 
 
 def check_moe_support():
@@ -238,19 +257,52 @@ def router_margin(model, f, seq):
     full_logits(model, seq)
     for h in hooks:
         h.remove()
-    margin, G, k = math.inf, f["n_group"], f["top_k"]
-    for gate, x in caps:
-        c = torch.sigmoid(x @ gate.weight.float().T) + gate.e_score_correction_bias.float()
-        if G > 1:
-            gs = c.view(len(c), G, -1).topk(2, dim=-1).values.sum(-1)
-            top = gs.sort(-1, descending=True).values
-            margin = min(margin, float((top[:, f["topk_group"] - 1] - top[:, f["topk_group"]]).min()))
-            keep = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, gs.topk(f["topk_group"], dim=-1).indices, True)
-            c = c.masked_fill(~keep.repeat_interleave(c.shape[1] // G, dim=1), -math.inf)
-        top = c.sort(-1, descending=True).values
-        gap = top[:, k - 1] - top[:, k]
-        margin = min(margin, float(gap[torch.isfinite(gap)].min()) if torch.isfinite(gap).any() else math.inf)
-    return margin
+    return min([router_gap(gate.weight, gate.e_score_correction_bias, x, f["n_group"], f["topk_group"], f["top_k"])
+                for gate, x in caps], default=math.inf)
+
+
+@torch.no_grad()
+def widen_routers(gates, run, f, g, want, tries=5000):
+    """Redraws each router (weight and e_score_correction_bias, at init_weights' scale) in forward order until
+    its choice margin over the rows run() feeds it is over want: a router's input depends only on what runs
+    before it, so each stays widened once the next is drawn. Returns how many draws it took."""
+    draws = 0
+    for gate in gates:
+        x = gate_inputs(gate, run)
+        for _ in range(tries):
+            if router_gap(gate.weight, gate.e_score_correction_bias, x, f["n_group"], f["topk_group"], f["top_k"]) > want:
+                break
+            gate.weight.copy_(stored(torch.randn(gate.weight.shape, generator=g) / math.sqrt(gate.weight.shape[-1]), f["store"]).float())
+            b = gate.e_score_correction_bias
+            b.copy_(stored(0.3 * torch.rand(b.shape, generator=g), f["store"]).float())
+            draws += 1
+        else:
+            raise SystemExit(f"{f['name']}: no router draw in {tries} keeps a choice margin over {want}")
+    return draws
+
+
+def make_mtp(model, f, g, s):
+    """The fixture's MTP block, drawn at a trained-like scale (init_weights) for the main model as drawn: its
+    routers widened to f["rmargin"] over the positions of s, redrawn until every component moves its logits.
+    Returns (mtp, oracle logits [len(s) - 1, vocab], component checks, router margin)."""
+    kw, tol = hf_kwargs(f), TOL[f["store"]]
+    for attempt in range(30):
+        mtp = MTP(kw, f["mtp_ref"]).float().eval()
+        init_weights(mtp, f, g)
+        with torch.no_grad():
+            for p in list(mtp.parameters()) + list(mtp.buffers()):
+                p.copy_(stored(p, f["store"]).float())
+        gates = [b.mixer.gate for b in mtp.layers if isinstance(b.mixer, mh.NemotronHMoE)]
+        widen_routers(gates, lambda: mtp_logits(model, mtp, s), f, g, f.get("rmargin", 4e-3))
+        rm = min([router_gap(gt.weight, gt.e_score_correction_bias, gate_inputs(gt, lambda: mtp_logits(model, mtp, s)),
+                             f["n_group"], f["topk_group"], f["top_k"]) for gt in gates], default=math.inf)
+        ref = mtp_logits(model, mtp, s)
+        checks = mtp_component_checks(model, mtp, s, ref)
+        weak = [k for k, v in checks.items() if v < 100 * tol]
+        print(f"{f['name']}: MTP {f['mtp_ref']!r} attempt {attempt}: router margin {rm:.2e}, weak checks {weak}")
+        if not weak:
+            return mtp, ref, checks, rm
+    raise SystemExit(f"{f['name']}: no usable MTP draw")
 
 
 def component_checks(model, f, seq, ref):
@@ -515,6 +567,15 @@ def make(f):
         set_clamp(model, False)
         prompt = torch.randint(3, f["vocab"], (f["prompt"],), generator=g).tolist()
         cont = greedy(model, prompt, f["gen"])
+        if f.get("rmargin") and "E" in f["pattern"]:
+            # widen the routers over the positions used; a redraw can change the continuation, so again
+            for _ in range(8):
+                widen_routers([mx.gate for mx in moe_mixers(model)], lambda: full_logits(model, prompt + cont[:-1]),
+                              f, g, f["rmargin"])
+                new = greedy(model, prompt, f["gen"])
+                if new == cont:
+                    break
+                cont = new
         seq = prompt + cont[:-1]
         ref = full_logits(model, seq)
         paths = float((ref[len(prompt) - 1:] - cached_logits(model, prompt, cont)).abs().max())
@@ -527,13 +588,17 @@ def make(f):
               f"router margin {rmargin:.2e}, weak checks {weak}")
         # a quantized model's prompt runs on the GPU with bf16 operands: its router choices need more room
         # (margins of 1.5e-4 and 1.5e-3 each flipped one there, moving logits by 1.86 and 0.88)
-        if margin > 2e-3 and rmargin > (4e-3 if quant else 2e-5) and 2 not in cont and not weak:
+        if margin > 2e-3 and rmargin > f.get("rmargin", 4e-3 if quant else 2e-5) and 2 not in cont and not weak:
             break
     else:
         raise SystemExit(f"{f['name']}: no usable draw")
     for k, v in checks.items():
         print(f"  {f['name']}: {k}: max |d logits| = {v:.3g}")
     scales = calibrate(model, f, seq, quant) if quant else {}
+    if f.get("mtp_ref"):  # s = prompt + cont; row p from h_p and s[p + 1]: len(seq) rows, as ref_logits.bin
+        mtp, mref, mchecks, mrmargin = make_mtp(model, f, g, prompt + cont)
+        for k, v in mchecks.items():
+            print(f"  {f['name']}: {k}: max |d MTP logits| = {v:.3g}")
 
     d = os.path.join(OUT, f["name"])
     shutil.rmtree(d, ignore_errors=True)
@@ -547,13 +612,15 @@ def make(f):
                   os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
         NemotronHConfig(**hf_kwargs(f)).save_pretrained(d)  # transformers' config.json (layers_block_type)
     else:
-        write_nvidia(model, f, d, g, quant, scales)
+        write_nvidia(model, f, d, g, quant, scales, mtp_nvidia_tensors(mtp) if f.get("mtp_ref") else None)
     extra = {}
     if "E" in f["pattern"] and not quant:
         extra = {"router_min_margin": rmargin, "experts_on_disk": experts_on_disk(d),
                  "hf_from_pretrained_max_diff": reload_diff(d, seq, ref)}
         print(f"{f['name']}: experts stored {extra['experts_on_disk']}, transformers' from_pretrained of it "
               f"reproduces the reference logits within {extra['hf_from_pretrained_max_diff']}")
+    elif f.get("mtp_ref"):
+        extra = {"hf_from_pretrained_max_diff": reload_diff(d, seq, ref)}
     elif quant:
         extra = ({"router_min_margin": rmargin, "experts_on_disk": experts_on_disk(d)} if "E" in f["pattern"] else {}) | {
             "quant_algo": f["quant"]["algo"], "quantized": {m + ".weight": fmt for m, (fmt, _, _) in quant.items()},
@@ -562,6 +629,9 @@ def make(f):
               f"the files read back and dequantized reproduce the reference logits within {extra['reread_max_diff']}")
         if extra["reread_max_diff"] > 0.1 * TOL[f["store"]]:
             raise SystemExit(f"{f['name']}: the written files do not hold what the reference ran")
+    if f.get("mtp_ref"):
+        extra["mtp"] = mtp_entry(model, mtp, f, d, prompt + cont, mref, mchecks, mrmargin)
+        mref.numpy().astype("<f4").tofile(os.path.join(d, "mtp_logits.bin"))
     with open(os.path.join(d, "ref.json"), "w") as fh:
         json.dump({"prompt": prompt, "greedy": cont, "rows": len(seq), "vocab": f["vocab"],
                    "tolerance": TOL[f["store"]], "min_margin": margin, "hf_cached_path_max_diff": paths,
@@ -575,8 +645,44 @@ def make(f):
             fh.write(" ".join(map(str, ids)) + "\n")
     size = sum(os.path.getsize(os.path.join(d, n)) for n in os.listdir(d))
     print(f"{f['name']}: {len(prompt)} prompt + {len(cont)} greedy tokens, margin {margin:.3g}, {size} bytes")
-    if ("E" in f["pattern"] or quant) and size > 1 << 20:
+    if ("E" in f["pattern"] or quant or f.get("mtp_ref")) and size > 1 << 20:
         raise SystemExit(f"{f['name']}: {size} bytes, over the 1 MiB a fixture may take")
+
+
+def read_checkpoint(d):
+    """Every tensor of the checkpoint written in d (the index's files, or model.safetensors), as stored."""
+    index = os.path.join(d, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else ["model.safetensors"]
+    T = {}
+    for fn in files:
+        with safe_open(os.path.join(d, fn), "pt") as fh:
+            T.update({k: fh.get_tensor(k) for k in fh.keys()})
+    return T
+
+
+def mtp_entry(model, mtp, f, d, s, mref, mchecks, mrmargin):
+    """ref.json's "mtp": the oracle's self-checks, run on the files as written (the MTP block loaded back from
+    them must give mtp_logits.bin exactly; a float64 plain-torch MTP on their tensors must agree), and the
+    component checks. "cpu_tolerance", not "tolerance": test.sh reads the first "tolerance" of ref.json."""
+    T, kw, tol = read_checkpoint(d), hf_kwargs(f), TOL[f["store"]]
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    key = "mtp_layers_block_type" if f.get("mtp_list") else "mtp_hybrid_override_pattern"
+    if cfg.get("num_nextn_predict_layers") != 1 or key not in cfg:
+        raise SystemExit(f"{f['name']}: config.json lacks num_nextn_predict_layers / {key}")
+    back = load_mtp(kw, f["mtp_ref"], T)
+    checks = {"files_reread_max_diff": float((mtp_logits(model, back, s) - mref).abs().max())}
+    print(f"  MTP oracle: files_reread_max_diff = {checks['files_reread_max_diff']:.3g}")
+    if checks["files_reread_max_diff"] != 0:
+        raise SystemExit(f"{f['name']}: the MTP block read back from the files does not give the oracle's logits")
+    checks |= mtp_self_checks(model, mtp, s, mref, T, kw, tol)
+    top2 = mref.topk(2, dim=-1).values
+    return {"pattern": f["mtp_ref"], "config_key": key, "config_value": cfg[key], "rows": len(s) - 1,
+            "file": "mtp_logits.bin", "cpu_tolerance": tol,
+            "row": "p = 0..rows-1: lm_head(MTP(E[s[p+1]], h_p)), h_p the main model's output after norm_f at p, "
+                   "s = prompt + greedy",
+            "min_margin": float((top2[:, 0] - top2[:, 1]).min()),
+            **({"router_min_margin": mrmargin} if "E" in f["mtp_ref"] else {}),
+            "self_checks": checks, "component_checks": mchecks}
 
 
 def experts_on_disk(d):
@@ -619,9 +725,10 @@ def mtp_tensors(f, g):
     return {k: stored(torch.randn(s, generator=g) / math.sqrt(s[-1]), f["store"]).contiguous() for k, s in shapes.items()}
 
 
-def write_nvidia(model, f, d, g, quant=None, scales=None):
+def write_nvidia(model, f, d, g, quant=None, scales=None, mtp_t=None):
     """NVIDIA's published layout: backbone.* names, hybrid_override_pattern, attention_head_dim; routed
-    experts one tensor per expert (backbone.layers.L.mixer.experts.E.up_proj.weight), mtp.* extras.
+    experts one tensor per expert (backbone.layers.L.mixer.experts.E.up_proj.weight), mtp.* extras (random
+    ones an engine must skip, or mtp_t: the MTP block of an MTP fixture, under its config keys).
     Quantized fixtures: ModelOpt's tensors in place of each quantized weight, the calibrated scales, the
     config files, and dequant.safetensors."""
     tensors = {}
@@ -635,6 +742,12 @@ def write_nvidia(model, f, d, g, quant=None, scales=None):
     mtp = {"num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"} if f.get("mtp") else {}
     if mtp:
         tensors.update(mtp_tensors(f, g))
+    if mtp_t is not None:
+        if sorted(mtp_t) != mtp_expected_names(hf_kwargs(f), f["mtp_ref"]):
+            raise SystemExit(f"{f['name']}: MTP tensor names {sorted(mtp_t)} are not NVIDIA's layout")
+        tensors.update({k: stored(v, f["store"]).contiguous() for k, v in mtp_t.items()})
+        mtp = {"num_nextn_predict_layers": 1} | ({"mtp_layers_block_type": [MTP_LIST_NAME[c] for c in f["mtp_ref"]]}
+                                                 if f.get("mtp_list") else {"mtp_hybrid_override_pattern": f["mtp_ref"]})
     for m, (fmt, t, _) in (quant or {}).items():
         tensors.update({f"{m}.{k}": v.contiguous() for k, v in t.items()})  # m.weight replaced
     tensors.update(scales or {})
