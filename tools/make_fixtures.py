@@ -137,8 +137,9 @@ FIXTURES = [
          experts=16, top_k=4, n_group=1, topk_group=1, moe=16, shared=32, latent=32, norm_topk=True,
          scale=5.0, mtp_ref="*E", rmargin=4e-3, prompt=23, gen=16, seed=31),
     # dense MTP, NVIDIA layout, F32: main layers M, * and -; the MTP block given in the list form
-    # mtp_layers_block_type ["attention", "mlp"] (no mtp_hybrid_override_pattern key)
-    dict(name="tiny-mtp-f32", store="f32", layout="nvidia", shards=1, vocab=320, hidden=64,
+    # mtp_layers_block_type ["attention", "mlp"] (no mtp_hybrid_override_pattern key); vocab 1200, so that the chat
+    # fixtures' tokenizer fits it (test.sh chats with it)
+    dict(name="tiny-mtp-f32", store="f32", layout="nvidia", shards=1, vocab=1200, hidden=64,
          pattern="M*-M-M-", heads=8, kv=4, head_dim=8, mlp=64, m_heads=8, m_hdim=8, groups=4, state=16,
          mtp_ref="*-", mtp_list=True, prompt=27, gen=18, seed=32),
 ]
