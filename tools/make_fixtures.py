@@ -139,7 +139,7 @@ FIXTURES = [
     # dense MTP, NVIDIA layout, F32: main layers M, * and -; the MTP block given in the list form
     # mtp_layers_block_type ["attention", "mlp"] (no mtp_hybrid_override_pattern key); vocab 1200, so that the chat
     # fixtures' tokenizer fits it (test.sh chats with it)
-    dict(name="tiny-mtp-f32", store="f32", layout="nvidia", shards=1, vocab=1200, hidden=64,
+    dict(name="tiny-mtp-f32", store="f32", layout="nvidia", shards=1, vocab=1200, hidden=48,
          pattern="M*-M-M-", heads=8, kv=4, head_dim=8, mlp=64, m_heads=8, m_hdim=8, groups=4, state=16,
          mtp_ref="*-", mtp_list=True, prompt=27, gen=18, seed=32),
 ]
