@@ -237,49 +237,72 @@ static float fp8_tab[256];
 static void fp8_tab_fill(void) { for (int b = 0; b < 256; b++) fp8_tab[b] = e4m3_to_f32((uint8_t)b); }
 static pthread_once_t fp8_once = PTHREAD_ONCE_INIT;
 
-/* Row i of W dotted with x: sum_k W[i][k] * x[k], in fp32, 16 lanes so the compiler vectorises; a
- * quantized W's elements dequantized exactly as mat_at() does. */
-static float dot_row(const Mat *W, int i, const float *x) {
-    int n = W->cols, k = 0;
-    float acc[16] = {0}, s = 0;
-    if (W->dtype == DT_F32) {
-        const float *w = (const float *)W->data + (size_t)i * W->ld;
-        for (; k + 16 <= n; k += 16)
-            for (int j = 0; j < 16; j++) acc[j] += w[k + j] * x[k + j];
-        for (; k < n; k++) s += w[k] * x[k];
-    } else if (W->dtype == DT_BF16) {
-        const uint16_t *w = (const uint16_t *)W->data + (size_t)i * W->ld;
-        for (; k + 16 <= n; k += 16)
-            for (int j = 0; j < 16; j++) acc[j] += bf16_to_f32(w[k + j]) * x[k + j];
-        for (; k < n; k++) s += bf16_to_f32(w[k]) * x[k];
-    } else if (W->dtype == DT_FP8) {
-        const uint8_t *w = (const uint8_t *)W->data + (size_t)i * W->ld;
-        pthread_once(&fp8_once, fp8_tab_fill);
-        for (; k + 16 <= n; k += 16)
-            for (int j = 0; j < 16; j++) acc[j] += fp8_tab[w[k + j]] * W->scale * x[k + j];
-        for (; k < n; k++) s += fp8_tab[w[k]] * W->scale * x[k];
-    } else if (W->dtype == DT_NVFP4) {   /* blocks of 16 (n is a multiple of 16), two elements a byte */
-        const uint8_t *w = (const uint8_t *)W->data + (size_t)i * W->ld / 2;
-        for (; k < n; k += 16) {
-            float sc = nvfp4_block_scale(W, (size_t)i, (size_t)k);
-            for (int j = 0; j < 8; j++) {
-                unsigned b = w[k / 2 + j];
-                acc[2 * j] += e2m1_to_f32(b & 15) * sc * x[k + 2 * j];
-                acc[2 * j + 1] += e2m1_to_f32(b >> 4) * sc * x[k + 2 * j + 1];
-            }
-        }
-    } else {
-        for (; k < n; k++) s += mat_at(W, (size_t)i, (size_t)k) * x[k];
+/* acc[t][j] += W[i][k + j] * x[t][k + j] over k = 0, 16, .. < n16, j < 16, t < NT: each group of 16
+ * weights dequantized once (as mat_at() does) for NT tokens. Inlined for each NT, so the compiler
+ * keeps the lanes in registers and vectorises. */
+#define DOT_GROUPS(LOAD)                                                                          \
+    for (int k = 0; k < n16; k += 16) {                                                           \
+        float w[16];                                                                              \
+        LOAD;                                                                                     \
+        for (int t = 0; t < NT; t++)                                                              \
+            for (int j = 0; j < 16; j++) a[t][j] += w[j] * x[(size_t)t * ldx + k + j];            \
     }
-    for (int j = 0; j < 16; j++) s += acc[j];
+static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_t i, const float *restrict x, size_t ldx, int n16,
+                                                             const int NT, float acc[4][16]) {
+    float a[4][16] = {{0}};   /* in registers: acc might alias x */
+    if (W->dtype == DT_F32) {
+        const float *p = (const float *)W->data + i * W->ld;
+        DOT_GROUPS(memcpy(w, p + k, sizeof w))
+    } else if (W->dtype == DT_BF16) {   /* bf16 is the top half of an fp32 (bf16_to_f32), 16 at once */
+        const uint16_t *p = (const uint16_t *)W->data + i * W->ld;
+        DOT_GROUPS(uint32_t u[16]; for (int j = 0; j < 16; j++) u[j] = (uint32_t)p[k + j] << 16; memcpy(w, u, sizeof w))
+    } else if (W->dtype == DT_FP8) {
+        const uint8_t *p = (const uint8_t *)W->data + i * W->ld;
+        DOT_GROUPS(for (int j = 0; j < 16; j++) w[j] = fp8_tab[p[k + j]] * W->scale)
+    } else if (W->dtype == DT_NVFP4) {   /* two elements a byte, a block scale per 16 */
+        const uint8_t *p = (const uint8_t *)W->data + i * W->ld / 2;
+        DOT_GROUPS(float sc = nvfp4_block_scale(W, i, (size_t)k);
+                   for (int j = 0; j < 16; j++) w[j] = e2m1_to_f32(p[k / 2 + j / 2] >> 4 * (j & 1)) * sc)
+    }
+    memcpy(acc, a, sizeof a);
+}
+#undef DOT_GROUPS
+
+/* out[t * ldo] = row i of W dotted with x[t * ldx], for t < T: sum_k W[i][k] * x[t][k] in fp32, in 16
+ * lanes (dot_groups), then the tail, then the lanes in order: the same sums for every T, so a
+ * drafting step's verify forward gives each token what a forward of its own would. Tokens go 4 at a
+ * time, which costs little more than 1. F16 goes element by element. */
+static void dot_rows(const Mat *W, int i, const float *x, size_t ldx, int T, float *out, size_t ldo) {
+    int n = W->cols, n16 = W->dtype == DT_F16 ? 0 : W->dtype == DT_NVFP4 ? n : n - n % 16;
+    if (W->dtype == DT_FP8) pthread_once(&fp8_once, fp8_tab_fill);
+    for (int t0 = 0; t0 < T; t0 += 4) {
+        int nt = T - t0 < 4 ? T - t0 : 4;
+        float acc[4][16] = {{0}};
+        const float *xt = x + (size_t)t0 * ldx;
+        if (nt == 1) dot_groups(W, (size_t)i, xt, ldx, n16, 1, acc);
+        else if (nt == 2) dot_groups(W, (size_t)i, xt, ldx, n16, 2, acc);
+        else if (nt == 3) dot_groups(W, (size_t)i, xt, ldx, n16, 3, acc);
+        else dot_groups(W, (size_t)i, xt, ldx, n16, 4, acc);
+        for (int t = 0; t < nt; t++) {
+            float s = 0;
+            for (int k = n16; k < n; k++) s += mat_at(W, (size_t)i, (size_t)k) * xt[(size_t)t * ldx + k];
+            for (int j = 0; j < 16; j++) s += acc[t][j];
+            out[(size_t)(t0 + t) * ldo] = s;
+        }
+    }
+}
+
+/* Row i of W dotted with x (the router's). */
+static float dot_row(const Mat *W, int i, const float *x) {
+    float s;
+    dot_rows(W, i, x, 0, 1, &s, 0);
     return s;
 }
 
-/* out[t][i] = sum_k W[i][k] x[t][k] for T rows of x (row strides ldo, ldx). */
+/* out[t][i] = sum_k W[i][k] * x[t][k] for T rows of x; the rows of W split over the rank's threads. */
 static void matmul(float *out, int ldo, const float *x, int ldx, int T, const Mat *W) {
 #pragma omp parallel for num_threads(cpu_threads) schedule(static)
-    for (int i = 0; i < W->rows; i++)
-        for (int t = 0; t < T; t++) out[(size_t)t * ldo + i] = dot_row(W, i, x + (size_t)t * ldx);
+    for (int i = 0; i < W->rows; i++) dot_rows(W, i, x, (size_t)ldx, T, out + i, (size_t)ldo);
 }
 
 /* out = x * rsqrt(mean(x^2) + eps) * w over n elements */
