@@ -39,6 +39,7 @@ check "make broken variants (and accepted ones) of a good model" "$T/make_bad" t
 check "make broken variants of a good MoE model" "$T/make_bad" tests/fixtures/tiny-moe-latent-f32 "$T/bad-moe"
 check "make broken variants of a quantized model (NVFP4, MoE)" "$T/make_bad" tests/fixtures/tiny-q-nvfp4-moe "$T/bad-nvfp4"
 check "make broken variants of a quantized model (FP8, both configs; and one accepted)" "$T/make_bad" tests/fixtures/tiny-q-fp8 "$T/bad-fp8"
+check "make broken variants of a model with an MTP block" "$T/make_bad" tests/fixtures/tiny-mtp-latent-f32 "$T/bad-mtp"
 
 # ---- Hugging Face fixtures: per-position logits and greedy tokens ----
 # fixture_run BIN DIR OUT [args...]: greedy continuation of the fixture's prompt, logits dumped to OUT
@@ -139,8 +140,13 @@ for d in $(grep -l '"num_nextn_predict_layers": [1-9]' tests/fixtures/tiny-*/con
             check "$f --mtp $k --tp $tp: logits of every position equal --mtp 0" "$T/compare_logits" "$T/$f-m$k.bin" "$T/$f-m0.bin" 0
         done
     done
-    got=$(./nemoh --cpu -m "$d" --ids "$ids" -n 48 -t 0.9 -s 5 --mtp 3 2>/dev/null)
-    same "$f -t 0.9: sampled tokens with the block's own drafts equal --mtp 0's" "$got" "$(./nemoh --cpu -m "$d" --ids "$ids" -n 48 -t 0.9 -s 5 --mtp 0 2>/dev/null)"
+    sampled=$(./nemoh --cpu -m "$d" --ids "$ids" -n 48 -t 0.9 -s 5 --mtp 0 2>/dev/null)
+    got=$(NEMOH_TEST_DRAFTS="$sampled" ./nemoh --cpu -m "$d" --ids "$ids" -n 48 -t 0.9 -s 5 --mtp 3 2>"$T/$f-s.err")
+    h=$(mtp_steps "$T/$f-s.err")
+    if [ "$got" = "$sampled" ] && [ -n "$h" ] && ! grep -qw 0 <<< "$h"; then pass "$f -t 0.9 --mtp 3: drafts forced from the sampled run, every accepted count ($h), tokens equal --mtp 0"
+    else fail "$f -t 0.9 --mtp 3: drafts forced from the sampled run, every accepted count, tokens equal --mtp 0" "got:      $got"$'\n'"expected: $sampled"$'\n'"$(cat "$T/$f-s.err")"; fi
+    same "$f -t 0.9 --mtp 3: sampled tokens with the block's own drafts equal --mtp 0's" \
+        "$(./nemoh --cpu -m "$d" --ids "$ids" -n 48 -t 0.9 -s 5 --mtp 3 2>/dev/null)" "$sampled"
     full && check "asan $f --mtp 3 --tp 2: forced drafts, tokens equal --mtp 0" \
         sh -c "[ \"\$(NEMOH_TEST_DRAFTS='$plain' $ASAN -m $d --ids '$ids' -n 48 -t 0 --mtp 3 --tp 2 2>&1 >/dev/null | grep -c mtp:)\" = 1 ] &&
                [ \"\$(NEMOH_TEST_DRAFTS='$plain' $ASAN -m $d --ids '$ids' -n 48 -t 0 --mtp 3 --tp 2 2>/dev/null)\" = '$plain' ]"
@@ -165,6 +171,19 @@ same "speculative sampling: the same 400 seeds give the same tokens as plain sam
 v=$(tv "$T/spec2" "$T/plain") hot=$(tv "$T/hot" "$T/plain") always=$(tv "$T/always" "$T/plain")
 check "speculative sampling: TV to plain sampling $v < 0.2 (temperature 0.3: $hot, accepting every draft: $always, both > 0.2)" \
     awk "BEGIN { exit !($v < 0.2 && $hot > 0.2 && $always > 0.2) }"
+# The block's own logits at every position (the token after it known) against the oracle: transformers'
+# NemotronHBlocks with the MTP tensors, behind enorm, hnorm and eh_proj (tools/nemotron_h.py)
+for c in tiny-mtp-latent-f32:1 tiny-mtp-latent-f32:2 tiny-mtp-f32:1 tiny-mtp-f32:2; do
+    f=${c%:*} n=${c#*:} d=tests/fixtures/${c%:*}
+    fixture_run ./nemoh "$d" "$T/$f-mtp-tp$n.bin" --cpu --tp $n --dump-mtp "$T/$f-mtp-tp$n.mtp" >/dev/null
+    check "$f --tp $n: MTP logits at every position within 1e-4 of the oracle" "$T/compare_logits" "$T/$f-mtp-tp$n.mtp" "$d/mtp_logits.bin" 1e-4
+done
+./nemoh --cpu -m weights --ids "$(cat tests/fixtures/default-ref/ids.txt)" -n 1 -t 0 --dump-mtp "$T/defm.bin" >/dev/null 2>&1
+check "default model: its trained MTP block's logits on held-out text within 1e-4 of the oracle" \
+    "$T/compare_logits" "$T/defm.bin" tests/fixtures/default-ref/mtp_logits.bin 1e-4
+full && fixture_run "$ASAN" tests/fixtures/tiny-mtp-latent-f32 "$T/asan-mtp.bin" --tp 2 --dump-mtp "$T/asan-mtp.mtp" >/dev/null
+full && check "asan tiny-mtp-latent-f32 --tp 2: MTP logits within 1e-4 of the oracle" "$T/compare_logits" "$T/asan-mtp.mtp" \
+    tests/fixtures/tiny-mtp-latent-f32/mtp_logits.bin 1e-4
 n=$(./nemoh --cpu -m tests/fixtures/tiny-moe-bf16 --ids 1 -n 1 --mtp 0 2>&1 | grep -c 'mtp\.\* tensors (multi-token prediction heads) are not used')
 same "tiny-moe-bf16 --mtp 0: its mtp.* tensors named once on stderr as unused" "$n" 1
 
@@ -178,7 +197,7 @@ refuse_run() {
 }
 for bin in ./nemoh $(full && echo "$ASAN"); do
     tag=$([ "$bin" = ./nemoh ] && echo cpu || echo asan)
-    for set in bad bad-moe bad-nvfp4 bad-fp8; do
+    for set in bad bad-moe bad-nvfp4 bad-fp8 bad-mtp; do
         check "$tag $set input: the unmodified control model loads" "$bin" -m "$T/$set/good" --ids "1 2" -n 1
         for d in "$T/$set"/*; do
             [[ $(basename "$d") == good* ]] && continue
@@ -188,6 +207,9 @@ for bin in ./nemoh $(full && echo "$ASAN"); do
                 refuse "$tag bad input: $(basename "$d")" "$(cat "$d/expect")" "$bin" -m "$d" --ids "1 2" -n 1
             fi
         done
+    done
+    for d in "$T"/bad-mtp/mtp-no-* "$T"/bad-mtp/mtp-enorm-length; do
+        check "$tag $(basename "$d") with --mtp 0: the model runs without drafting" "$bin" -m "$d" --ids "1 2" -n 2 --mtp 0
     done
     check "$tag: 100000 empty tensors (an index naming them all) load within 20 s" timeout 20 "$bin" -m "$T/bad/good-many-empty" --ids "1 2" -n 1
     check "$tag: an FP8 model with config.json's quantization_config alone (no hf_quant_config.json) loads" \
@@ -248,11 +270,13 @@ full && check "asan chat: --chat --encode equals HF's ids (fixture vocabulary)" 
 # --think, --no-think or -), its logits at every position, then the same ids prefilled from
 # scratch: equal within TOL; turns 2 and 3 prefill less than their whole rendering
 chat_turns() {
-    local bin=$1 fmt=$2 tag=$3 tol=$4 sw=(); [ "$5" != - ] && sw=("$5"); shift 5
+    local bin=$1 dir=$C/$2 tag=$3 tol=$4 sw=(); [ "$5" != - ] && sw=("$5")
+    [[ $2 == /* ]] && dir=$2   # a model directory of its own
+    shift 5
     printf 'Hello there\nTell me a joke.\\\nA short one.\nWhy?\n' |
-        "$bin" -m "$C/$fmt" --chat -t 0 -n 12 --dump-logits "$T/$tag.bin" "${sw[@]}" "$@" >/dev/null 2>"$T/$tag.err"
+        "$bin" -m "$dir" --chat -t 0 -n 12 --dump-logits "$T/$tag.bin" "${sw[@]}" "$@" >/dev/null 2>"$T/$tag.err"
     local ids; ids=$(sed -n 's/^nemoh: conversation ids: //p' "$T/$tag.err")
-    "$bin" -m "$C/$fmt" --ids "$ids" -n 0 --dump-logits "$T/$tag-scratch.bin" "$@" >/dev/null 2>&1
+    "$bin" -m "$dir" --ids "$ids" -n 0 --dump-logits "$T/$tag-scratch.bin" "$@" >/dev/null 2>&1
     check "$tag: 3 turns on stdin = the whole conversation prefilled from scratch (logits within $tol, $(wc -w <<< "$ids") positions)" \
         "$T/compare_logits" "$T/$tag.bin" "$T/$tag-scratch.bin" "$tol"
     local rep; rep=$(grep '^nemoh: turn' "$T/$tag.err")
@@ -264,6 +288,18 @@ for fmt in nano-v2 nemotron-3 chatml; do chat_turns ./nemoh $fmt "cpu chat $fmt"
 chat_turns ./nemoh nemotron-3 "cpu chat nemotron-3 --no-think" 0 --no-think --cpu
 chat_turns ./nemoh nemotron-3 "cpu chat nemotron-3 --tp 2" 0 - --cpu --tp 2
 full && chat_turns "$ASAN" nano-v2 "asan chat nano-v2" 0 -
+# with drafting: the Nemotron 3 format on tiny-mtp-f32 (its MTP block; the chat vocabulary): each
+# turn's drafts are verified, rewound and stopped mid-step; the conversation is --mtp 0's
+mkdir -p "$T/chat-mtp"
+for f in tokenizer.json tokenizer_config.json chat_template.jinja; do ln -sf "$PWD/$C/nemotron-3/$f" "$T/chat-mtp/$f"; done
+for f in config.json model.safetensors; do ln -sf "$PWD/tests/fixtures/tiny-mtp-f32/$f" "$T/chat-mtp/$f"; done
+for tp in 1 2; do
+    chat_turns ./nemoh "$T/chat-mtp" "cpu chat --mtp 3 --tp $tp" 0 - --cpu --mtp 3 --tp $tp
+    printf 'Hello there\nWhy?\n' | ./nemoh -m "$T/chat-mtp" --chat -t 0 -n 12 --mtp 0 --tp $tp --dump-logits /dev/null >/dev/null 2>"$T/chat-mtp0.err"
+    same "chat --mtp 3 --tp $tp: the conversation's ids equal --mtp 0's" "$(printf 'Hello there\nWhy?\n' |
+        ./nemoh -m "$T/chat-mtp" --chat -t 0 -n 12 --mtp 3 --tp $tp --dump-logits /dev/null 2>&1 >/dev/null | grep '^nemoh: conversation ids')" \
+        "$(grep '^nemoh: conversation ids' "$T/chat-mtp0.err")"
+done
 got=$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu --no-think 2>/dev/null)
 same "chat --hide-think: a reply without reasoning prints the same" "$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu --no-think --hide-think 2>/dev/null)" "$got"
 got=$(printf 'Hi\n' | ./nemoh -m $C/nano-v2 --chat -t 0 -n 8 --cpu 2>/dev/null)
