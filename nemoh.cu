@@ -173,11 +173,12 @@ typedef struct {
     float *logits_local;        /* [logit_rows, vocab / n] */
     float *logits;              /* [logit_rows, vocab] gathered (aliases logits_local at n = 1) */
     float *host_logits;         /* [logit_rows, vocab] pinned copy for --dump-logits */
-    float *probs;               /* [vocab] sampling scratch */
+    float *probs;               /* [sample_rows, vocab] sampling scratch */
+    int sample_rows;            /* most logits rows one sample call draws from: min(logit_rows, spec + 1) */
     int *tok;                   /* [t_max] token ids of this step */
     int *pos;                   /* [1] position of the step's first token */
-    int *sampled;               /* [1] the sampled token */
-    int *host_io;               /* [t_max + 2] pinned staging: tokens, position, sampled */
+    int *sampled;               /* [sample_rows] the sampled tokens */
+    int *host_io;               /* [max(t_max, sample_rows) + 2] pinned staging: tokens, position, sampled */
     int *moe_idx;               /* [t_max, top_k] chosen experts of each token, best first */
     float *moe_w;               /* [t_max, top_k] their weights */
     float *moe_logits;          /* [t_max, n_experts] router logits */
@@ -2188,7 +2189,8 @@ enum { SAMPLE_CAND = 40960 };
 
 /* The same rule as sample_logits() in nemoh.c: argmax at temp 0 (first on ties); else probabilities
  * p_i ~ exp((l_i - max) / temp), the top-p threshold by bisection, and a draw in index order with
- * coin(seed, step). One block of 1024 threads. Passes where order does not matter are strided over
+ * coin(seed, step). Block j of 1024 threads draws from row j: out[j] from l[j], with scratch p[j] and
+ * coin(seed, step + j). Passes where order does not matter are strided over
  * the vocabulary; where it does (gathering candidates, the draw), warp w owns the w-th contiguous
  * range and walks it 32 elements at a time, a lane each, so the loads stay coalesced.
  * Every threshold the bisection tries lies above (1 - topp) total / (2V): at or below
@@ -2199,6 +2201,10 @@ enum { SAMPLE_CAND = 40960 };
 __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, float *p, int V, float temp, float topp,
                                                      uint64_t seed, uint64_t step) {
     pdl_wait();
+    out += blockIdx.x;
+    l += (size_t)blockIdx.x * V;
+    p += (size_t)blockIdx.x * V;
+    step += blockIdx.x;
     extern __shared__ float cand[];   /* [SAMPLE_CAND] */
     __shared__ float sv[1024];
     __shared__ int si[1024];
@@ -2743,13 +2749,19 @@ static void gpu_logits(Rank *r, int T, int all) {
     g->rows = rows;
 }
 
-static int gpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t step) {
+/* out[j] = a draw from logits row rows - n + j (j < n): a block a row, one copy back, one sync. */
+static void gpu_sample(Rank *r, int n, float temp, float topp, uint64_t seed, uint64_t step, int *out) {
     GpuRank *g = gpu_rank(r);
     int V = r->c->vocab;
-    LAUNCH(1, 1024, SAMPLE_CAND * sizeof(float), g->stream, sample_kernel, g->sampled, g->logits + (size_t)(g->rows - 1) * V, g->probs, V, temp, topp, seed, step);
-    CUDA_CHECK(cudaMemcpyAsync(g->host_io, g->sampled, sizeof(int), cudaMemcpyDeviceToHost, g->stream));
+    if (n < 1 || n > g->rows || n > g->sample_rows) {
+        fprintf(stderr, "nemoh: sample: %d rows asked, %d written, room for %d\n", n, g->rows, g->sample_rows);
+        exit(1);
+    }
+    LAUNCH(n, 1024, SAMPLE_CAND * sizeof(float), g->stream, sample_kernel, g->sampled, g->logits + (size_t)(g->rows - n) * V, g->probs,
+           V, temp, topp, seed, step);
+    CUDA_CHECK(cudaMemcpyAsync(g->host_io, g->sampled, n * sizeof(int), cudaMemcpyDeviceToHost, g->stream));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
-    return g->host_io[0];
+    memcpy(out, g->host_io, n * sizeof(int));
 }
 
 static const float *gpu_host_logits(Rank *r, int rows) {
@@ -2987,6 +2999,7 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
     }
     b += T * H * (f * 5 + 2) + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
     b += (size_t)gpu_shared((Rank *)r)->logit_rows * (c->vocab + s->vocab) * f + (64u << 20);  /* + cuBLAS workspace */
+    b += (size_t)g->sample_rows * c->vocab * f;
     return b + (*quant ? DEQ_BYTES : 0);
 }
 
@@ -3032,6 +3045,7 @@ static void gpu_init(Rank *r) {
     g->y_w = y_width(c, s);
     g->act_w = pad8(std::max({(int)H, g->proj_w, c->latent}));
     g->splits = attn_splits(r->ctx);
+    g->sample_rows = std::max(1, std::min(sh->logit_rows, r->spec + 1));
     g->gemv_slots = gemv_slots(r->gpu);
     CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SAMPLE_CAND * sizeof(float)));
 
@@ -3123,11 +3137,11 @@ static void gpu_init(Rank *r) {
     g->logits_local = zeros((size_t)sh->logit_rows * s->vocab);
     g->logits = s->n > 1 ? zeros((size_t)sh->logit_rows * c->vocab) : g->logits_local;
     CUDA_CHECK(cudaMallocHost(&g->host_logits, (size_t)sh->logit_rows * c->vocab * sizeof(float)));
-    g->probs = zeros((size_t)c->vocab);
+    g->probs = zeros((size_t)g->sample_rows * c->vocab);
     CUDA_CHECK(cudaMalloc(&g->tok, T * sizeof(int)));
     CUDA_CHECK(cudaMalloc(&g->pos, sizeof(int)));
-    CUDA_CHECK(cudaMalloc(&g->sampled, sizeof(int)));
-    CUDA_CHECK(cudaMallocHost(&g->host_io, (T + 2) * sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&g->sampled, g->sample_rows * sizeof(int)));
+    CUDA_CHECK(cudaMallocHost(&g->host_io, (std::max(T, (size_t)g->sample_rows) + 2) * sizeof(int)));
     CUDA_CHECK(cudaDeviceSynchronize());
 }
 

@@ -788,6 +788,62 @@ static void test_sampling(int V, int peaked) {
     CUDA_CHECK(cudaFree(dout));
 }
 
+/* ---- be->sample over n rows at once (gpu_sample: a block a row, one copy back): row j of the last n
+ * logits rows is drawn with coin(seed, step + j), the same token as the one-row kernel gives on that
+ * row alone and as the host rule on its probabilities; a row with a NaN gives -1 and leaves the
+ * others alone. Rows alternate peaked and flat; at temp 0 each row's maximum is tied twice. ---- */
+static void test_sample_rows(int V, int rows, int n, float temp, float topp) {
+    std::vector<float> l((size_t)rows * V);
+    for (int j = 0; j < rows; j++) {
+        std::vector<float> row = sampling_logits(V, j & 1);
+        int a = (int)(rng() % V), b = (int)(rng() % V);
+        row[a] = row[b] = 9.0f;
+        std::copy(row.begin(), row.end(), l.begin() + (size_t)j * V);
+    }
+    int nan_row = n > 2 ? rows - n + 1 : -1;   /* the second of the n rows */
+    if (nan_row >= 0) l[(size_t)nan_row * V + rng() % V] = NAN;
+    Config c;
+    memset(&c, 0, sizeof c);
+    c.vocab = V;
+    GpuRank g = make_rank(8);
+    g.logits = dev_copy(l);
+    g.rows = rows;
+    g.sample_rows = n;
+    g.probs = dev_copy(std::vector<float>((size_t)n * V));
+    CUDA_CHECK(cudaMalloc(&g.sampled, n * sizeof(int)));
+    CUDA_CHECK(cudaMallocHost(&g.host_io, (n + 2) * sizeof(int)));
+    Rank r;
+    memset(&r, 0, sizeof r);
+    r.c = &c;
+    r.st = &g;
+    uint64_t seed = rng(), step = rng() % 1000;
+    std::vector<int> got(n, -2);
+    gpu_sample(&r, n, temp, topp, seed, step, got.data());
+    std::vector<float> p = host_copy(g.probs, (size_t)n * V);
+    float *one = dev_copy(std::vector<float>(V));
+    int *dout, wrong_host = 0, wrong_one = 0;
+    CUDA_CHECK(cudaMalloc(&dout, sizeof(int)));
+    for (int j = 0; j < n; j++) {
+        int row = rows - n + j, want = -1, alone;
+        const float *lr = &l[(size_t)row * V];
+        if (row != nan_row && temp <= 0) want = (int)(std::max_element(lr, lr + V) - lr);   /* the first maximum */
+        if (row != nan_row && temp > 0) want = host_pick(std::vector<float>(p.begin() + (size_t)j * V, p.begin() + (size_t)(j + 1) * V), topp, seed, step + j);
+        LAUNCH(1, 1024, SAMPLE_CAND * sizeof(float), 0, sample_kernel, dout, (const float *)g.logits + (size_t)row * V, one, V, temp, topp,
+               seed, step + j);
+        CUDA_CHECK(cudaMemcpy(&alone, dout, sizeof(int), cudaMemcpyDeviceToHost));
+        wrong_host += got[j] != want;
+        wrong_one += got[j] != alone;
+    }
+    char what[160];
+    snprintf(what, sizeof what, "sample %d of %d rows of %d logits, temp %.2f top-p %.2f%s: rows unlike the host rule", n, rows, V, temp,
+             topp, nan_row >= 0 ? ", a NaN row" : "");
+    expect_int(what, wrong_host, 0);
+    expect_int("... rows unlike the one-row kernel on that row, step + j", wrong_one, 0);
+    for (void *q : {(void *)g.logits, (void *)g.probs, (void *)g.sampled, (void *)one, (void *)dout}) CUDA_CHECK(cudaFree(q));
+    CUDA_CHECK(cudaFreeHost(g.host_io));
+    free_rank(&g);
+}
+
 /* Microseconds per call of run() on stream s: three calls to warm up, then the mean of reps. */
 template <typename F> static float time_us(cudaStream_t s, int reps, F run) {
     cudaEvent_t e0, e1;
@@ -1035,6 +1091,10 @@ int main(int argc, char **argv) {
     test_sampling(1000, 0);
     test_sampling(131072, 0);
     test_sampling(131072, 1);
+    test_sample_rows(1000, 5, 4, 0.0f, 1.0f);        /* greedy, the last 4 of 5 rows */
+    test_sample_rows(131072, 9, 9, 0.8f, 0.95f);     /* a verify step of 8 drafts */
+    test_sample_rows(50000, 12, 7, 1.3f, 1.0f);
+    test_sample_rows(131072, 1, 1, 0.7f, 0.9f);
     time_gemv(18560, 4096);    /* nemotron-h-8b: in_proj */
     time_gemv(21504, 4096);    /* up */
     time_gemv(4096, 21504);    /* down */
