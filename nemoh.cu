@@ -867,13 +867,30 @@ __global__ void conv_state_kernel(float *state, const float *in, int ldi, int T,
  * one read of B and C serve four rows (shared-memory bandwidth is what bounds a scan like this), and
  * the four row sums are reduce-scattered over the LR lanes (scan_rows). The block copies the inputs
  * of the next `chunk` steps (its group's B and C, its rows' x, the raw dt) into shared memory with
- * cp.async while it computes the current ones (stage). T = 1 is the decode step; there, given gw and
- * gss, the scan also gates (scan_gate, the gated norm fold): y = u * gw with u = y * silu(z), z the
- * first d_inner columns of proj, and gss[h * gridDim.y + blockIdx.y] = the sum of u^2 over the
- * block's rows. The kernel takes its inputs one by one: given them as one struct parameter, nvcc 13
- * stops splitting the step loop into a gated and a plain copy and uses more registers, and the
- * 2048-step scan measured 12% slower on H200. */
+ * cp.async while it computes the current ones (stage). T = 1 is the decode step; there (MODE
+ * SCAN_GATE) the scan also gates (scan_gate, the gated norm fold): y = u * gw with u = y * silu(z), z
+ * the first d_inner columns of proj, and gss[h * gridDim.y + blockIdx.y] = the sum of u^2 over the
+ * block's rows. MODE is a template argument, not a test of gss in the step loop: nvcc 13 does not
+ * split that loop into a gated and a plain copy when the arguments come as one struct, and the
+ * 2048-step scan then took 12% longer on H200. */
 enum { SCAN_STEPS = 16, SCAN_THREADS = 256 };
+enum { SCAN_PLAIN, SCAN_GATE };
+
+/* The inputs of a scan over T steps (ssm_scan_kernel; ssd_scan_kernel reads the fields up to d_inner). */
+typedef struct {
+    float *y;                   /* [T, d_inner] output: y, or u * gw where the scan gates */
+    float *ssm;                 /* [heads, hdim, N] fp32 state: read at the start, written back at the end */
+    const float *xbc;           /* [T, conv] conv output: x [d_inner] | B [groups * N] | C [groups * N] */
+    const float *proj;          /* [T, ld_proj] in_proj output: z from column 0, the raw dt from column dt_off */
+    int ld_proj, dt_off;
+    const float *A, *D, *dt_bias;   /* [heads] each; A = -exp(A_log) */
+    int T, heads, hdim, groups, d_inner;   /* steps; local heads, head size, local groups; heads * hdim */
+    int chunk;                  /* steps a stage of shared memory holds (ssm_scan sets it) */
+    const void *warm;           /* decode-only: out_proj, warmed in L2 (l2_warm) */
+    size_t warm_n;              /* bytes of it to warm (0: none) */
+    const float *gw;            /* [d_inner] gated norm weight: the scan gates (NULL: not; see ssm_scan) */
+    float *gss;                 /* [heads, scan blocks a head] each block's sum of u^2, where it gates */
+} ScanArgs;
 
 /* Lanes per group of four rows: 16 (8 at N = 8). N is a power of two, 8..256. */
 __host__ __device__ constexpr int scan_lanes(int N) { return N >= 16 ? 16 : N; }
@@ -893,11 +910,12 @@ template <int LR> __device__ __forceinline__ float scan_rows(const float (&v)[4]
     return r;
 }
 
-template <int N>
-__global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
-        float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off, const float *A, const float *D,
-        const float *dt_bias, int T, int chunk, int heads, int hdim, int groups, int d_inner, const void *warm, size_t warm_n,
-        const float *gw, float *gss) {
+template <int N, int MODE>
+__global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(const __grid_constant__ ScanArgs sa) {
+    float *y = sa.y, *ssm = sa.ssm, *gss = sa.gss;
+    const float *xbc = sa.xbc, *proj = sa.proj, *A = sa.A, *D = sa.D, *dt_bias = sa.dt_bias, *gw = sa.gw;
+    int ld_proj = sa.ld_proj, dt_off = sa.dt_off, T = sa.T, chunk = sa.chunk, heads = sa.heads, hdim = sa.hdim, groups = sa.groups,
+        d_inner = sa.d_inner;
     constexpr int LR = scan_lanes(N), E = N / LR;   /* compile-time: shared-memory offsets become immediates */
     extern __shared__ float4 sm4[];
     float *sm = (float *)sm4;
@@ -914,12 +932,12 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
 #pragma unroll
         for (int e = 0; e < E; e++) S[k][e] = p < hdim ? st[e * LR] : 0.0f;
     }
-    l2_warm(warm, warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
+    l2_warm(sa.warm, sa.warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
     /* the row this lane writes (see scan_rows); its z and gw are ready (see LAUNCH) */
     int row = scan_row<LR>(sub), pw = p0 + q * 4 + row;
     int writer = (sub & (LR / 4 - 1)) == 0 && pw < hdim;
     float gate = 0, gww = 0, uu = 0;   /* silu(z), gw of that row; sum of u^2 */
-    if (gss && writer) { gate = silu(proj[h * hdim + pw]); gww = gw[h * hdim + pw]; }
+    if (MODE == SCAN_GATE && writer) { gate = silu(proj[h * hdim + pw]); gww = gw[h * hdim + pw]; }
     pdl_wait();
     auto stage = [&](int t0, int buf) {   /* the inputs of steps t0 .. t0 + chunk - 1 into buffer buf */
         int steps = min(chunk, T - t0);
@@ -969,13 +987,13 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
             float r = scan_rows<LR>(v, sub);
             if (writer) {
                 float yv = r + d * xs[row];
-                if (gss) yv = scan_gate(yv, gate, gww, uu);
+                if (MODE == SCAN_GATE) yv = scan_gate(yv, gate, gww, uu);
                 y[(size_t)(t0 + s) * d_inner + h * hdim + pw] = yv;
             }
         }
         __syncthreads();   /* this buffer and sdt are free for the next chunk */
     }
-    if (gss) {
+    if (MODE == SCAN_GATE) {
         float total = block_sum(uu);
         if (threadIdx.x == 0) gss[h * gridDim.y + blockIdx.y] = total;
     }
@@ -1003,25 +1021,19 @@ static int gnorm_folds(int T, int heads, int hdim, int N, int gsize, int per) {
     return T == 1 && gsize % per == 0 && heads * scan_blocks(hdim, N) <= GNORM_PARTS;
 }
 
-/* Launches the scan for `heads` heads of hdim channels, state size N; half the chunk at N = 256 to
- * stay under 48 KB of shared memory. gw, gss: gate at decode (NULL: not). */
-static void ssm_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
-                     const float *A, const float *D, const float *dt_bias, int T, int heads, int hdim, int N, int groups,
-                     int d_inner, const void *warm, size_t warm_n, const float *gw, float *gss) {
-    int threads = scan_threads(hdim, N), rpb = threads / scan_lanes(N) * 4, chunk = N > 128 ? SCAN_STEPS / 2 : SCAN_STEPS;
-    size_t smem = (size_t)(2 * chunk * (2 * N + rpb + 1) + 2 * SCAN_STEPS) * sizeof(float);
-    dim3 grid(heads, scan_blocks(hdim, N));
-#define SCAN(n) LAUNCH(grid, threads, smem, stream, ssm_scan_kernel<n>, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, \
-                      chunk, heads, hdim, groups, d_inner, warm, warm_n, gw, gss)
-    switch (N) {
-    case 8: SCAN(8); break;
-    case 16: SCAN(16); break;
-    case 32: SCAN(32); break;
-    case 64: SCAN(64); break;
-    case 128: SCAN(128); break;
-    default: SCAN(256);
-    }
-#undef SCAN
+/* The scan kernel for state size N and a mode. */
+template <int MODE> static void (*ssm_scan_for(int N))(const ScanArgs) {
+    return N == 8 ? ssm_scan_kernel<8, MODE> : N == 16 ? ssm_scan_kernel<16, MODE> : N == 32 ? ssm_scan_kernel<32, MODE>
+         : N == 64 ? ssm_scan_kernel<64, MODE> : N == 128 ? ssm_scan_kernel<128, MODE> : ssm_scan_kernel<256, MODE>;
+}
+
+/* Launches the scan of a (state size N): gated where a.gss is given (with a.gw). Half the chunk at
+ * N = 256 to stay under 48 KB of shared memory. */
+static void ssm_scan(cudaStream_t stream, ScanArgs a, int N) {
+    int threads = scan_threads(a.hdim, N), rpb = threads / scan_lanes(N) * 4;
+    a.chunk = N > 128 ? SCAN_STEPS / 2 : SCAN_STEPS;
+    size_t smem = (size_t)(2 * a.chunk * (2 * N + rpb + 1) + 2 * SCAN_STEPS) * sizeof(float);
+    LAUNCH(dim3(a.heads, scan_blocks(a.hdim, N)), threads, smem, stream, a.gss ? ssm_scan_for<SCAN_GATE>(N) : ssm_scan_for<SCAN_PLAIN>(N), a);
 }
 
 /* u = y * silu(z), then RMSNorm over each group of gsize channels, times w, into out (fp32: y itself;
@@ -1101,10 +1113,10 @@ static constexpr int ssd_smem_floats(int N) {
 }
 
 template <int N>
-__global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(float *y, float *ssm, const float *xbc, const float *proj,
-                                                                 int ld_proj, int dt_off, const float *A, const float *D,
-                                                                 const float *dt_bias, int T, int heads, int hdim, int groups,
-                                                                 int d_inner) {
+__global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(const __grid_constant__ ScanArgs sa) {
+    float *y = sa.y, *ssm = sa.ssm;
+    const float *xbc = sa.xbc, *proj = sa.proj;
+    int ld_proj = sa.ld_proj, dt_off = sa.dt_off, T = sa.T, heads = sa.heads, hdim = sa.hdim, groups = sa.groups, d_inner = sa.d_inner;
     constexpr int L = SSD_L, PB = SSD_ROWS, LX = PB + 8, LB = N + 4, LM = L + 4;
     static_assert(L == 64 && L * N % (32 * SSD_WARPS) == 0, "the decay scan takes two steps a lane; loads whole rounds");
     extern __shared__ float4 ssd_sm4[];
@@ -1112,7 +1124,7 @@ __global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(float *y, f
     float *dts = Ss + PB * LB, *cs = dts + L, *ws = cs + L;   /* dt_s; cs_s; w_s = exp(cs_{L-1} - cs_s) dt_s */
     int h = blockIdx.x, p0 = blockIdx.y * PB, g = h / (heads / groups), cv = d_inner + 2 * groups * N;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, c = lane & 3;
-    float a = A[h], d = D[h], bias = dt_bias[h];
+    float a = sa.A[h], d = sa.D[h], bias = sa.dt_bias[h];
     pdl_wait();
     for (int i = threadIdx.x; i < PB * N; i += blockDim.x) {
         int p = i / N, n = i % N;
@@ -1238,16 +1250,13 @@ __global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(float *y, f
     }
 }
 
-/* Launches the SSD scan over T steps: heads heads of hdim channels, state size N (ssm_scan's arguments). */
-static void ssd_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
-                     const float *A, const float *D, const float *dt_bias, int T, int heads, int hdim, int N, int groups,
-                     int d_inner) {
+/* Launches the SSD scan of a (state size N). */
+static void ssd_scan(cudaStream_t stream, const ScanArgs &a, int N) {
     auto k = N == 8 ? ssd_scan_kernel<8> : N == 16 ? ssd_scan_kernel<16> : N == 32 ? ssd_scan_kernel<32>
            : N == 64 ? ssd_scan_kernel<64> : N == 128 ? ssd_scan_kernel<128> : ssd_scan_kernel<256>;
     size_t smem = ssd_smem_floats(N) * sizeof(float);
     CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    LAUNCH(dim3(heads, cdiv(hdim, SSD_ROWS)), 32 * SSD_WARPS, smem, stream, k, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T,
-           heads, hdim, groups, d_inner);
+    LAUNCH(dim3(a.heads, cdiv(a.hdim, SSD_ROWS)), 32 * SSD_WARPS, smem, stream, k, a);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -2535,12 +2544,12 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
         LAUNCH(cdiv(cv, 128), 128, 0, g->stream, conv_state_kernel, L->conv_st, g->proj + di, in, T, cv);
     }
     int gsize = di / s->groups, fold = gnorm_folds(T, s->m_heads, c->m_hdim, N, gsize, fmt_per(L->out.fmt));
-    if (T > 1 && lowp(&L->in_proj))   /* a prompt of a bf16 model: the chunked scan; fp32 models keep the exact one */
-        ssd_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
-                 s->groups, di);
-    else
-        ssm_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
-                 s->groups, di, L->out.w, T == 1 ? warm_bytes(&L->out) : 0, fold ? L->gnorm : NULL, fold ? g->gss : NULL);
+    ScanArgs sa = {.y = g->y, .ssm = L->ssm, .xbc = g->xbc, .proj = g->proj, .ld_proj = in, .dt_off = di + cv, .A = L->A, .D = L->D,
+                   .dt_bias = L->dt_bias, .T = T, .heads = s->m_heads, .hdim = c->m_hdim, .groups = s->groups, .d_inner = di,
+                   .chunk = 0, .warm = L->out.w, .warm_n = T == 1 ? warm_bytes(&L->out) : 0, .gw = fold ? L->gnorm : NULL,
+                   .gss = fold ? g->gss : NULL};
+    if (T > 1 && lowp(&L->in_proj)) ssd_scan(g->stream, sa, N);   /* a prompt of a bf16 model: the chunked scan */
+    else ssm_scan(g->stream, sa, N);                                /* fp32 models keep the exact one */
     GroupScale gs = {g->gss, s->m_heads / s->groups * scan_blocks(c->m_hdim, N), gsize, c->eps};
     dim3 gn_grid(T * s->groups), gn_block(gated_norm_threads(gsize));
     if (T > 1 && lowp(&L->out)) {   /* a bf16 prompt: the gated norm writes out_proj's bf16 input itself */

@@ -247,6 +247,15 @@ static std::vector<double> ref_scan(const std::vector<float> &proj, int in, cons
     return y;
 }
 
+/* A scan's inputs as gpu_mamba lays them out: proj rows z | xBC | dt (width in), xbc rows x | B | C. */
+static ScanArgs scan_args(float *y, float *ssm, const float *xbc, const float *proj, int in, const float *A, const float *D,
+                          const float *dtb, int T, int heads, int hdim, int groups, int N) {
+    int di = heads * hdim, cv = di + 2 * groups * N;
+    return ScanArgs{.y = y, .ssm = ssm, .xbc = xbc, .proj = proj, .ld_proj = in, .dt_off = di + cv, .A = A, .D = D, .dt_bias = dtb,
+                    .T = T, .heads = heads, .hdim = hdim, .groups = groups, .d_inner = di, .chunk = 0, .warm = nullptr, .warm_n = 0,
+                    .gw = nullptr, .gss = nullptr};
+}
+
 /* ---- Mamba2: conv + state, the selective scan + state, the gated group norm, over several calls; at a
  * single step whose groups are whole 16-byte pieces, the gated norm as decode folds it: the scan gates
  * and out_proj (a random one here, 37 x di) scales the groups (EPI_GNORM) ---- */
@@ -273,8 +282,12 @@ static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> 
         if (T > 1) {
             LAUNCH(cdiv(cv, 128), 128, 0, 0, conv_state_kernel, d_cst, d_proj + di, in, T, cv);
         }
-        ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di, d_proj, (size_t)T * in * sizeof(float),
-                 fold ? d_gw : nullptr, fold ? d_gss : nullptr);
+        ScanArgs sa = scan_args(d_y, d_ssm, d_xbc, d_proj, in, d_A, d_D, d_dtb, T, heads, hdim, groups, N);
+        sa.warm = d_proj;
+        sa.warm_n = (size_t)T * in * sizeof(float);
+        sa.gw = fold ? d_gw : nullptr;
+        sa.gss = fold ? d_gss : nullptr;
+        ssm_scan(0, sa, N);
         std::vector<float> y_scan = host_copy(d_y, (size_t)T * di);
         GroupScale gsc = {d_gss, heads / groups * scan_blocks(hdim, N), gs, 1e-5f};
         bf16 *d_u16 = dev_copy_as<bf16>(std::vector<float>((size_t)T * di, NAN));
@@ -354,9 +367,10 @@ static void test_ssd(int heads, int hdim, int groups, int N, std::vector<int> st
         std::vector<float> proj = rand_vec((size_t)T * in), xbc = rand_vec((size_t)T * cv);
         float *d_proj = dev_copy(proj), *d_xbc = dev_copy(xbc), *d_y = dev_copy(std::vector<float>((size_t)T * di, NAN));
         float *d_y2 = dev_copy(std::vector<float>((size_t)T * di, NAN));
-        if (T > 1) ssd_scan(0, d_y, d_ssd, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di);
-        else ssm_scan(0, d_y, d_ssd, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di, nullptr, 0, nullptr, nullptr);
-        ssm_scan(0, d_y2, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di, nullptr, 0, nullptr, nullptr);
+        ScanArgs sa = scan_args(d_y, d_ssd, d_xbc, d_proj, in, d_A, d_D, d_dtb, T, heads, hdim, groups, N);
+        if (T > 1) ssd_scan(0, sa, N);
+        else ssm_scan(0, sa, N);
+        ssm_scan(0, scan_args(d_y2, d_ssm, d_xbc, d_proj, in, d_A, d_D, d_dtb, T, heads, hdim, groups, N), N);
         std::vector<double> y = ref_scan(proj, in, std::vector<double>(xbc.begin(), xbc.end()), ssm, A, D, dtb, T, heads, hdim, groups, N);
         std::vector<float> got = host_copy(d_y, y.size()), got_st = host_copy(d_ssd, ssm.size());
         std::vector<float> scan = host_copy(d_y2, y.size()), scan_st = host_copy(d_ssm, ssm.size());
@@ -870,9 +884,10 @@ static void time_scan(int heads, int hdim, int groups, int N, int T) {
     float *d_proj = dev_copy(rand_vec((size_t)T * in, 0.5f)), *d_xbc = dev_copy(rand_vec((size_t)T * cv, 0.5f));
     float *d_y = dev_copy(std::vector<float>((size_t)T * di)), *d_ssm = dev_copy(std::vector<float>((size_t)di * N));
     float *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb);
-    float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di, nullptr, 0, nullptr, nullptr); });
+    ScanArgs sa = scan_args(d_y, d_ssm, d_xbc, d_proj, in, d_A, d_D, d_dtb, T, heads, hdim, groups, N);
+    float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, sa, N); });
     printf("# selective scan %d heads x %d, N %d, groups %d, %d step%s: %.1f us", heads, hdim, N, groups, T, T > 1 ? "s" : "", us);
-    if (T > 1) printf(", chunked SSD %.1f us", time_us(0, 5, [&] { ssd_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di); }));
+    if (T > 1) printf(", chunked SSD %.1f us", time_us(0, 5, [&] { ssd_scan(0, sa, N); }));
     printf("\n");
     for (float *p : {d_proj, d_xbc, d_y, d_ssm, d_A, d_D, d_dtb}) CUDA_CHECK(cudaFree(p));
 }
