@@ -146,10 +146,14 @@ typedef struct {
     cudaStream_t stream;        /* everything of this rank runs in order on it */
     cublasHandle_t blas;        /* prefill matrix products */
     void *blas_ws;              /* cuBLAS workspace */
-    GLayer L[MAX_LAYERS];       /* [n_layers] weights and state */
+    GLayer L[MAX_LAYERS];       /* [n_layers + n_mtp] weights and state: the blocks, then the MTP block's sublayers */
     GMat embed;                 /* [vocab, hidden] */
     GMat lm_head;               /* [vocab / n, hidden] */
     float *norm_f;              /* [hidden] */
+    float *enorm, *hnorm;       /* [hidden] MTP: RMSNorm weights on a token's embedding, on a hidden state */
+    GMat eh_proj;               /* [hidden, 2 * hidden] MTP: the block's input projection, replicated */
+    float *mtp_norm;            /* [hidden] MTP: the block's final norm */
+    float *eh;                  /* [t_max, 2 * hidden] MTP: [enorm(embed[tok]) ; hnorm(h)], eh_proj's input */
     float *res;                 /* [t_max, hidden] residual stream */
     float *x;                   /* [t_max, hidden] normed mixer input */
     bf16 *x16;                  /* [t_max, hidden] x in bf16, written with it for a prompt: its bf16 products' input */
@@ -373,6 +377,24 @@ __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, bf16 *x
         ss += v[k] * v[k];
     }
     norm_store(x, x16, r, add != NULL, blockIdx.x, v, ss, wv, H, eps);
+}
+
+/* The MTP block's input before its projection, block (t, half) (x: the rows the last forward's final
+ * norm left, from the one the step reads):
+ *   half 0: eh[t][0, H) = rmsnorm(embed[tok[t]]) * enorm;  half 1: eh[t][H, 2H) = rmsnorm(x[t]) * hnorm */
+__global__ void __launch_bounds__(NORM_THREADS) mtp_in_kernel(float *eh, const GMat emb, const int *tok, const float *x,
+                                                             const float *enorm, const float *hnorm, int H, float eps) {
+    int t = blockIdx.x, half = blockIdx.y;
+    float wv[NORM_PER], v[NORM_PER], ss = 0;
+    norm_weight(wv, half ? hnorm : enorm, H);
+    pdl_wait();
+#pragma unroll
+    for (int k = 0; k < NORM_PER; k++) {
+        int i = threadIdx.x + k * NORM_THREADS;
+        v[k] = i >= H ? 0.0f : half ? x[(size_t)t * H + i] : mat_elem(emb, tok[t], i);
+        ss += v[k] * v[k];
+    }
+    norm_store(eh + ((size_t)t * 2 + half) * H, NULL, NULL, 0, 0, v, ss, wv, H, eps);
 }
 
 /* The fused all-reduce + residual add + RMSNorm, at a layer's entry:
@@ -2494,7 +2516,7 @@ static void pend_allreduce(Rank *r, int T) {
 static void gpu_norm(Rank *r, int l, int how, int T) {
     GpuRank *g = gpu_rank(r);
     const Config *c = r->c;
-    const float *w = l < c->n_layers ? g->L[l].norm : g->norm_f;
+    const float *w = l >= 0 ? g->L[l].norm : l == NORM_F ? g->norm_f : g->mtp_norm;
     bf16 *x16 = T > 1 ? g->x16 : NULL;
     if (how == NORM_FUSED && g->pend.devapi) {
         size_t off = (size_t)g->pend_slot * r->t_max * c->hidden * sizeof(float);
@@ -2517,9 +2539,10 @@ static void gpu_allreduce(Rank *r, int T) {
     gpu_rank(r)->pend_slot ^= 1;
 }
 
-/* Layer l's first product (lm_head after the last layer): what the product before it warms L2 for. */
+/* Layer l's first product (lm_head after the last block, and after the MTP block's last sublayer):
+ * what the product before it warms L2 for. */
 static const GMat *first_product(GpuRank *g, const Config *c, int l) {
-    if (l >= c->n_layers) return &g->lm_head;
+    if (l == c->n_layers || l >= n_all(c)) return &g->lm_head;
     return c->kind[l] == K_MAMBA ? &g->L[l].in_proj : c->kind[l] == K_ATTN ? &g->L[l].qkv : c->kind[l] == K_MOE ? &g->L[l].sup : &g->L[l].up;
 }
 
@@ -2529,6 +2552,19 @@ static float *pend_out(Rank *r) {
     float *p = g->pend.buf + (size_t)g->pend_slot * r->t_max * r->c->hidden;
     g->pend_owed = p;
     return p;
+}
+
+/* residual[t] = eh_proj([enorm(embed[tok[t]]) ; hnorm(x[row + t])]): x as the last forward's final
+ * norm left it, read before anything of this step writes it (stream order). */
+static void gpu_mtp_in(Rank *r, const int *tok, int T, int row) {
+    (void)tok;  /* already on the device (gpu_begin) */
+    GpuRank *g = gpu_rank(r);
+    const Config *c = r->c;
+    int H = c->hidden;
+    if (row < 0 || row + T > r->t_max) { fprintf(stderr, "nemoh: mtp_in: rows %d..%d of %d\n", row, row + T - 1, r->t_max); exit(1); }
+    LAUNCH(dim3(T, 2), NORM_THREADS, 0, g->stream, mtp_in_kernel, g->eh, (const GMat)g->embed, (const int *)g->tok,
+           (const float *)g->x + (size_t)row * H, (const float *)g->enorm, (const float *)g->hnorm, H, c->eps);
+    matmul(g, g->res, H, g->eh, 2 * H, T, &g->eh_proj, EPI_NONE, first_product(g, c, c->n_layers), NULL);
 }
 
 static void gpu_mamba(Rank *r, int l, int T, int pos) {
@@ -2747,7 +2783,9 @@ static void gpu_logits(Rank *r, int T, int all) {
     const Config *c = r->c;
     int H = c->hidden, Vl = r->s.vocab, rows = all ? T : 1;
     const float *x = g->x + (size_t)(all ? 0 : T - 1) * H;
-    matmul(g, g->logits_local, Vl, x, H, rows, &g->lm_head, EPI_NONE, first_product(g, c, 0), NULL);  /* the next token's */
+    /* the next forward's first product: while drafting, the MTP block's input projection */
+    const GMat *next = c->n_mtp && (r->pass == PASS_MTP || r->spec) ? &g->eh_proj : first_product(g, c, 0);
+    matmul(g, g->logits_local, Vl, x, H, rows, &g->lm_head, EPI_NONE, next, NULL);
     if (r->s.n > 1) {  /* row t of the gathered logits: [rank 0 slice | rank 1 slice | ...] */
         NCCL_CHECK(ncclGroupStart());
         for (int t = 0; t < rows; t++)
@@ -2985,7 +3023,7 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
     const Weights *w = &r->w;
     size_t H = c->hidden, T = r->t_max, f = sizeof(float), b = 0;
     b += mat_bytes(&w->embed, c->vocab, quant) + mat_bytes(&w->lm_head, s->vocab, quant) + H * f;
-    for (int l = 0; l < c->n_layers; l++) {
+    for (int l = 0; l < n_all(c); l++) {
         const Layer *L = &w->layer[l];
         b += H * f;
         if (L->kind == K_MAMBA)
@@ -3009,6 +3047,7 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
     b += T * H * (f * 5 + 2) + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
     b += (size_t)gpu_shared((Rank *)r)->logit_rows * (c->vocab + s->vocab) * f + (64u << 20);  /* + cuBLAS workspace */
     b += (size_t)g->sample_rows * c->vocab * f;
+    if (c->n_mtp) b += 3 * H * f + mat_bytes(&w->eh_proj, (int)H, quant) + T * 2 * H * f;   /* norms, eh_proj, eh */
     return b + (*quant ? DEQ_BYTES : 0);
 }
 
@@ -3052,7 +3091,7 @@ static void gpu_init(Rank *r) {
     int hd = c->head_dim;
     g->proj_w = proj_width(c, s);
     g->y_w = y_width(c, s);
-    g->act_w = pad8(std::max({(int)H, g->proj_w, c->latent}));
+    g->act_w = pad8(std::max({(int)H, g->proj_w, c->latent, c->n_mtp ? 2 * (int)H : 0}));   /* MTP: eh_proj's input */
     g->splits = attn_splits(r->ctx);
     g->sample_rows = std::max(1, std::min(sh->logit_rows, r->spec + 1));
     g->gemv_slots = gemv_slots(r->gpu);
@@ -3079,7 +3118,14 @@ static void gpu_init(Rank *r) {
     if (quant) CUDA_CHECK(cudaMalloc(&g->deq, DEQ_BYTES));
     g->lm_head = upload_mat(&w->lm_head, 1);
     g->norm_f = upload_f32(w->norm_f, H);
-    for (int l = 0; l < c->n_layers; l++) {
+    if (c->n_mtp) {
+        g->enorm = upload_f32(w->enorm, H);
+        g->hnorm = upload_f32(w->hnorm, H);
+        g->eh_proj = upload_mat(&w->eh_proj, 1);
+        g->mtp_norm = upload_f32(w->mtp_norm, H);
+        g->eh = zeros(T * 2 * H);
+    }
+    for (int l = 0; l < n_all(c); l++) {
         const Layer *L = &w->layer[l];
         GLayer *gl = &g->L[l];
         gl->norm = upload_f32(L->norm, H);
@@ -3161,7 +3207,7 @@ static void gpu_free(Rank *r) {
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
     if (g->captured) CUDA_CHECK(cudaGraphExecDestroy(g->graph));
     symmetric_window_free(gpu_shared(r)->comm[r->s.rank], &g->pend);
-    for (int l = 0; l < c->n_layers; l++) {
+    for (int l = 0; l < n_all(c); l++) {
         GLayer *gl = &g->L[l];
         void *ptrs[] = {gl->norm, gl->conv_w, gl->conv_b, gl->A, gl->D, gl->dt_bias, gl->gnorm, gl->conv_st, gl->ssm, gl->k, gl->v,
                         gl->gate, gl->gate_bias};
@@ -3172,7 +3218,8 @@ static void gpu_free(Rank *r) {
     }
     free_mat(&g->embed);
     free_mat(&g->lm_head);
-    void *ptrs[] = {g->deq, g->norm_f, g->res, g->x, g->x16, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part,
+    free_mat(&g->eh_proj);
+    void *ptrs[] = {g->deq, g->norm_f, g->enorm, g->hnorm, g->mtp_norm, g->eh, g->res, g->x, g->x16, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part,
                     g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
@@ -3195,11 +3242,11 @@ static void gpu_snapshot(Rank *r, int slot, int save) {
     size_t nc = (size_t)r->s.conv * 3 * sizeof(float), ns = (size_t)r->s.d_inner * c->d_state * sizeof(float);
     CUDA_CHECK(cudaSetDevice(r->gpu));
     if (!g->snap) {
-        for (int l = 0; l < c->n_layers; l++) g->snap_bytes += c->kind[l] == K_MAMBA ? nc + ns : 0;
+        for (int l = 0; l < n_all(c); l++) g->snap_bytes += c->kind[l] == K_MAMBA ? nc + ns : 0;
         CUDA_CHECK(cudaMalloc(&g->snap, SNAPSHOT_SLOTS * g->snap_bytes + 1));
     }
     char *p = g->snap + slot * g->snap_bytes;
-    for (int l = 0; l < c->n_layers; l++) {
+    for (int l = 0; l < n_all(c); l++) {
         if (c->kind[l] != K_MAMBA) continue;
         GLayer *gl = &g->L[l];
         CUDA_CHECK(cudaMemcpyAsync(save ? p : (char *)gl->conv_st, save ? (char *)gl->conv_st : p, nc, cudaMemcpyDeviceToDevice,
@@ -3231,6 +3278,7 @@ extern "C" const Backend cuda_backend = {
     .host_logits = gpu_host_logits,
     .moe = gpu_moe,
     .snapshot = gpu_snapshot,
+    .mtp_in = gpu_mtp_in,
 };
 
 /* ------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ static std::mt19937_64 rng;
 
 static float uni() { return std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng); }
 static float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
+static double bf16r(double v, int round) { return round ? (double)bf16_round((float)v) : v; }
 
 static std::vector<float> rand_vec(size_t n, float scale = 1.0f) {
     std::vector<float> v(n);
@@ -220,6 +221,74 @@ static void test_norms(int hidden, int T) {
         CUDA_CHECK(cudaFree(dres));
     }
     CUDA_CHECK(cudaFree(dtok));
+}
+
+/* ---- the MTP block's input (be->mtp_in): res[t] = eh_proj [enorm(embed[tok[t]]) ; hnorm(x[row + t])], the
+ * embedding table in fe, eh_proj in fw; x rows other than row .. row + T - 1 are NaN, so a wrong row
+ * shows. The two norms against float64; the product against float64 on the GPU's own eh (rounded to
+ * bf16 where cuBLAS takes a prompt's bf16 operands: W's values too) ---- */
+static void test_mtp_in(int fe, int fw, int H, int T, int row) {
+    int V = 41, dec_t = 1, t_max = row + T + 2;
+    float eps = 1e-5f;
+    HostMat emb = host_mat(fe, V, H, 1.0f), W = host_mat(fw, H, 2 * H, 1.0f / sqrtf(2.0f * H));
+    std::vector<float> x((size_t)t_max * H, NAN), en = rand_vec(H), hn = rand_vec(H);
+    for (size_t i = (size_t)row * H; i < (size_t)(row + T) * H; i++) x[i] = 3 * uni();
+    std::vector<int> tok(T);
+    for (auto &t : tok) t = (int)(rng() % V);
+    Config c;
+    memset(&c, 0, sizeof c);
+    c.hidden = H;
+    c.eps = eps;
+    c.n_mtp = 1;
+    GpuRank g = make_rank((size_t)T * pad8(2 * H));
+    g.act_w = pad8(2 * H);
+    Mat ev = view(emb, 0, V, 0, H), wv = view(W, 0, H, 0, 2 * H);
+    g.embed = upload_mat(&ev, 1);
+    g.eh_proj = upload_mat(&wv, 1);
+    g.enorm = dev_copy(en);
+    g.hnorm = dev_copy(hn);
+    g.x = dev_copy(x);
+    g.eh = dev_copy(std::vector<float>((size_t)T * 2 * H, NAN));
+    g.res = dev_copy(std::vector<float>((size_t)T * H, NAN));
+    CUDA_CHECK(cudaMalloc(&g.tok, T * sizeof(int)));
+    CUDA_CHECK(cudaMemcpy(g.tok, tok.data(), T * sizeof(int), cudaMemcpyHostToDevice));
+    Rank r;
+    memset(&r, 0, sizeof r);
+    r.c = &c;
+    r.st = &g;
+    r.t_max = t_max;
+    gpu_mtp_in(&r, tok.data(), T, row);
+    std::vector<float> eh = host_copy(g.eh, (size_t)T * 2 * H);
+    std::vector<double> ref_eh((size_t)T * 2 * H), ref((size_t)T * H);
+    int rb = T > dec_t && fw != DT_F32;   /* cuBLAS on bf16 operands */
+    for (int t = 0; t < T; t++) {
+        for (int half = 0; half < 2; half++) {
+            double ss = 0;
+            for (int i = 0; i < H; i++) {
+                double v = half ? x[(size_t)(row + t) * H + i] : emb.v[(size_t)tok[t] * H + i];
+                ss += v * v;
+            }
+            for (int i = 0; i < H; i++) {
+                double v = half ? x[(size_t)(row + t) * H + i] : emb.v[(size_t)tok[t] * H + i];
+                ref_eh[((size_t)t * 2 + half) * H + i] = v / sqrt(ss / H + eps) * (half ? hn[i] : en[i]);
+            }
+        }
+        for (int i = 0; i < H; i++) {
+            double a = 0;
+            for (int k = 0; k < 2 * H; k++) a += bf16r(W.v[(size_t)i * 2 * H + k], rb) * bf16r(eh[(size_t)t * 2 * H + k], rb);
+            ref[(size_t)t * H + i] = a;
+        }
+    }
+    char what[160];
+    snprintf(what, sizeof what, "mtp_in %s embedding, hidden %d, %d token%s from row %d: [enorm(e) ; hnorm(h)]", fmt_name(fe), H, T,
+             T > 1 ? "s" : "", row);
+    expect(what, eh, ref_eh, 1e-5);
+    snprintf(what, sizeof what, "... eh_proj %s (%s)", fmt_name(fw), T > dec_t ? "cuBLAS" : T > 1 ? "multi-token gemv" : "gemv");
+    expect(what, host_copy(g.res, ref.size()), ref, 2e-5);
+    free_mat(&g.embed);
+    free_mat(&g.eh_proj);
+    for (void *p : {(void *)g.enorm, (void *)g.hnorm, (void *)g.x, (void *)g.eh, (void *)g.res, (void *)g.tok}) CUDA_CHECK(cudaFree(p));
+    free_rank(&g);
 }
 
 /* ---- host, float64: the selective scan of T steps, the same steps as nemoh.c's cpu_mamba:
@@ -595,8 +664,6 @@ static void test_moe_router(int E, int K, int n_group, int topk_group, int norm,
     CUDA_CHECK(cudaFree(L.gate));
     CUDA_CHECK(cudaFree(L.gate_bias));
 }
-
-static double bf16r(double v, int round) { return round ? (double)bf16_round((float)v) : v; }
 
 /* The experts' products for T tokens (T = 1: decode's kernels; else the grouped cuBLAS path) on a
  * random choice, against float64: routed experts in format fe, the shared expert and the latent
@@ -1032,6 +1099,12 @@ int main(int argc, char **argv) {
     test_matmul(DT_NVFP4, 9001, 304, 1, 1);
     test_norms(1000, 3);
     test_norms(4099, 1);
+    test_mtp_in(DT_BF16, DT_BF16, 1000, 1, 0);
+    test_mtp_in(DT_BF16, DT_BF16, 1000, 1, 3);       /* a draft from the last row of a longer step */
+    test_mtp_in(DT_F32, DT_F32, 520, 5, 2);
+    test_mtp_in(DT_NVFP4, DT_FP8, 1024, 7, 0);
+    test_mtp_in(DT_FP8, DT_BF16, 4096, 3, 1);
+    test_mtp_in(DT_BF16, DT_NVFP4, 2048, 130, 4);    /* a prompt's MTP pass */
     test_mamba(6, 10, 2, 16, {5, 1, 37});
     test_mamba(4, 6, 1, 8, {1, 2, 1});
     test_mamba(8, 64, 4, 128, {3, 1});
