@@ -120,8 +120,8 @@ typedef struct {
     GMat edown;                 /* [n_experts * d, moe] every expert's down columns, expert e's from row e * d */
     GMat sup, sdown;            /* [shared, hidden], [hidden, shared] the shared expert's rows and columns */
     GMat lat_in, lat_out;       /* [latent, hidden] fc1, [hidden, latent] fc2 (latent MoE; rows 0 without) */
-    float *conv_st;             /* [conv, 3] last conv inputs, oldest first */
-    float *ssm;                 /* [m_heads, m_hdim, d_state] fp32 state */
+    float *conv_st;             /* [conv, 3] last conv inputs, oldest first (in GpuRank.state) */
+    float *ssm;                 /* [m_heads, m_hdim, d_state] fp32 state (in GpuRank.state) */
     void *k, *v;                /* [ctx, kv * head_dim] cache: bf16 if lowp(qkv), else fp32 */
 } GLayer;
 
@@ -201,8 +201,12 @@ typedef struct {
     int gemv_slots;             /* gemv_kernel blocks the GPU holds at once (per SM x SMs) */
     cudaGraphExec_t graph;      /* the captured single-token step */
     int capturing, captured;
-    char *snap;                 /* [SNAPSHOT_SLOTS, snap_bytes] saved conv windows + SSM states (--chat) */
-    size_t snap_bytes;          /* bytes of one snapshot: every Mamba layer's conv_st then ssm */
+    char *state;                /* [snap_bytes] every Mamba layer's conv_st then ssm (mamba_state_bytes a layer) */
+    size_t snap_bytes;          /* bytes of state */
+    char *snap;                 /* [SNAPSHOT_SLOTS, snap_bytes] saved copies of state (--chat) */
+    char *kept;                 /* [spec + 1, snap_bytes] state after each token of a forward run with r->keep */
+    int kept_n;                 /* tokens of the last forward run with r->keep: rewind's slots (0: none valid) */
+    int kept_live;              /* the slot state equals (rewind copies nothing to it) */
 } GpuRank;
 
 enum { FUSED_BLOCKS = 1024, NORM_THREADS = 1024, NORM_PER = 8 };
@@ -834,11 +838,12 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(FMT)) gemv_q_
  *   out[t] = silu(b + w0 in[t-3] + w1 in[t-2] + w2 in[t-1] + w3 in[t]),
  * where in[-3..-1] are the three inputs before this step, kept in `state` (oldest first). A thread
  * slides along CONV_STEPS steps of one channel, so each input is read once. A single step (decode)
- * also shifts the state here; a longer one leaves that to conv_state_kernel. */
+ * also shifts the state here; a longer one leaves that to conv_state_kernel. With keep, the window
+ * after step t (in[t-2..t]) goes to keep + t * keep_step as well, laid out as state. */
 enum { CONV_STEPS = 8 };
 
 __global__ void conv_kernel(float *out, const float *in, int ldi, float *state, const float *w, const float *b,
-                            int T, int C) {
+                            int T, int C, float *keep, size_t keep_step) {
     int c = blockIdx.x * blockDim.x + threadIdx.x, t0 = blockIdx.y * CONV_STEPS;
     float w0 = 0, w1 = 0, w2 = 0, w3 = 0, bias = 0;
     if (c < C) { w0 = w[c * 4]; w1 = w[c * 4 + 1]; w2 = w[c * 4 + 2]; w3 = w[c * 4 + 3]; bias = b[c]; }
@@ -860,6 +865,8 @@ __global__ void conv_kernel(float *out, const float *in, int ldi, float *state, 
         a += w3 * cur;
         out[(size_t)t * C + c] = silu(a);
         h[0] = h[1]; h[1] = h[2]; h[2] = cur;
+        if (keep)
+            for (int k = 0; k < 3; k++) keep[(size_t)t * keep_step + c * 3 + k] = h[k];
     }
     if (T == 1) {
         float s1 = state[c * 3 + 1], s2 = state[c * 3 + 2];
@@ -892,11 +899,14 @@ __global__ void conv_state_kernel(float *state, const float *in, int ldi, int T,
  * cp.async while it computes the current ones (stage). T = 1 is the decode step; there (MODE
  * SCAN_GATE) the scan also gates (scan_gate, the gated norm fold): y = u * gw with u = y * silu(z), z
  * the first d_inner columns of proj, and gss[h * gridDim.y + blockIdx.y] = the sum of u^2 over the
- * block's rows. MODE is a template argument, not a test of gss in the step loop: nvcc 13 does not
+ * block's rows. SCAN_EACH is for a few tokens run as decode runs them one by one (a speculative
+ * step's verify): each step gates as SCAN_GATE does, with sums of its own (gss, where given: token t's
+ * at gss + t * gridDim.x * gridDim.y), and the state after step t goes to keep + t * keep_step
+ * (where given). MODE is a template argument, not a test of gss in the step loop: nvcc 13 does not
  * split that loop into a gated and a plain copy when the arguments come as one struct, and the
  * 2048-step scan then took 12% longer on H200. */
 enum { SCAN_STEPS = 16, SCAN_THREADS = 256 };
-enum { SCAN_PLAIN, SCAN_GATE };
+enum { SCAN_PLAIN, SCAN_GATE, SCAN_EACH };
 
 /* The inputs of a scan over T steps (ssm_scan_kernel; ssd_scan_kernel reads the fields up to d_inner). */
 typedef struct {
@@ -911,7 +921,10 @@ typedef struct {
     const void *warm;           /* decode-only: out_proj, warmed in L2 (l2_warm) */
     size_t warm_n;              /* bytes of it to warm (0: none) */
     const float *gw;            /* [d_inner] gated norm weight: the scan gates (NULL: not; see ssm_scan) */
-    float *gss;                 /* [heads, scan blocks a head] each block's sum of u^2, where it gates */
+    float *gss;                 /* [T, heads, scan blocks a head] each block's sum of u^2, where it gates */
+    float *keep;                /* [T] slots laid out as ssm, from this layer's in slot 0: the state after
+                                   each step (NULL: not kept) */
+    size_t keep_step;           /* floats between two slots */
 } ScanArgs;
 
 /* Lanes per group of four rows: 16 (8 at N = 8). N is a power of two, 8..256. */
@@ -934,7 +947,7 @@ template <int LR> __device__ __forceinline__ float scan_rows(const float (&v)[4]
 
 template <int N, int MODE>
 __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(const __grid_constant__ ScanArgs sa) {
-    float *y = sa.y, *ssm = sa.ssm, *gss = sa.gss;
+    float *y = sa.y, *ssm = sa.ssm, *gss = sa.gss, *keep = sa.keep;
     const float *xbc = sa.xbc, *proj = sa.proj, *A = sa.A, *D = sa.D, *dt_bias = sa.dt_bias, *gw = sa.gw;
     int ld_proj = sa.ld_proj, dt_off = sa.dt_off, T = sa.T, chunk = sa.chunk, heads = sa.heads, hdim = sa.hdim, groups = sa.groups,
         d_inner = sa.d_inner;
@@ -959,7 +972,8 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(const __grid_con
     int row = scan_row<LR>(sub), pw = p0 + q * 4 + row;
     int writer = (sub & (LR / 4 - 1)) == 0 && pw < hdim;
     float gate = 0, gww = 0, uu = 0;   /* silu(z), gw of that row; sum of u^2 */
-    if (MODE == SCAN_GATE && writer) { gate = silu(proj[h * hdim + pw]); gww = gw[h * hdim + pw]; }
+    if (MODE == SCAN_GATE && writer) gate = silu(proj[h * hdim + pw]);
+    if ((MODE == SCAN_GATE || (MODE == SCAN_EACH && gss)) && writer) gww = gw[h * hdim + pw];
     pdl_wait();
     auto stage = [&](int t0, int buf) {   /* the inputs of steps t0 .. t0 + chunk - 1 into buffer buf */
         int steps = min(chunk, T - t0);
@@ -1010,7 +1024,22 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(const __grid_con
             if (writer) {
                 float yv = r + d * xs[row];
                 if (MODE == SCAN_GATE) yv = scan_gate(yv, gate, gww, uu);
+                if (MODE == SCAN_EACH && gss) yv = scan_gate(yv, silu(proj[(size_t)(t0 + s) * ld_proj + h * hdim + pw]), gww, uu);
                 y[(size_t)(t0 + s) * d_inner + h * hdim + pw] = yv;
+            }
+            if (MODE == SCAN_EACH && keep) {
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    int p = p0 + q * 4 + k;
+                    float *out = keep + (size_t)(t0 + s) * sa.keep_step + ((size_t)h * hdim + p) * N + sub;
+#pragma unroll
+                    for (int e = 0; e < E; e++) if (p < hdim) out[e * LR] = S[k][e];
+                }
+            }
+            if (MODE == SCAN_EACH && gss) {   /* every thread is here: steps is the block's */
+                float total = block_sum(uu);
+                uu = 0;
+                if (threadIdx.x == 0) gss[(size_t)(t0 + s) * gridDim.x * gridDim.y + h * gridDim.y + blockIdx.y] = total;
             }
         }
         __syncthreads();   /* this buffer and sdt are free for the next chunk */
@@ -1049,13 +1078,14 @@ template <int MODE> static void (*ssm_scan_for(int N))(const ScanArgs) {
          : N == 64 ? ssm_scan_kernel<64, MODE> : N == 128 ? ssm_scan_kernel<128, MODE> : ssm_scan_kernel<256, MODE>;
 }
 
-/* Launches the scan of a (state size N): gated where a.gss is given (with a.gw). Half the chunk at
- * N = 256 to stay under 48 KB of shared memory. */
+/* Launches the scan of a (state size N): gated where a.gss is given (with a.gw), the states kept where
+ * a.keep is. Half the chunk at N = 256 to stay under 48 KB of shared memory. */
 static void ssm_scan(cudaStream_t stream, ScanArgs a, int N) {
     int threads = scan_threads(a.hdim, N), rpb = threads / scan_lanes(N) * 4;
     a.chunk = N > 128 ? SCAN_STEPS / 2 : SCAN_STEPS;
     size_t smem = (size_t)(2 * a.chunk * (2 * N + rpb + 1) + 2 * SCAN_STEPS) * sizeof(float);
-    LAUNCH(dim3(a.heads, scan_blocks(a.hdim, N)), threads, smem, stream, a.gss ? ssm_scan_for<SCAN_GATE>(N) : ssm_scan_for<SCAN_PLAIN>(N), a);
+    auto k = a.keep || (a.gss && a.T > 1) ? ssm_scan_for<SCAN_EACH>(N) : a.gss ? ssm_scan_for<SCAN_GATE>(N) : ssm_scan_for<SCAN_PLAIN>(N);
+    LAUNCH(dim3(a.heads, scan_blocks(a.hdim, N)), threads, smem, stream, k, a);
 }
 
 /* u = y * silu(z), then RMSNorm over each group of gsize channels, times w, into out (fp32: y itself;
@@ -2455,6 +2485,9 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
  * ---------------------------------------------------------------------------------------------- */
 
 static GpuRank *gpu_rank(Rank *r) { return (GpuRank *)r->st; }
+
+/* Whether this forward keeps each token's recurrent state (r->keep; only the model's own layers have one). */
+static int keeping(const Rank *r) { return r->keep && r->pass == PASS_MAIN; }
 static GpuShared *gpu_shared(Rank *r) { return (GpuShared *)r->sh; }
 
 static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
@@ -2466,7 +2499,15 @@ static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
     CUDA_CHECK(cudaMemcpyAsync(g->tok, g->host_io, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, g->stream));
     CUDA_CHECK(cudaMemcpyAsync(g->pos, g->host_io + T, sizeof(int), cudaMemcpyHostToDevice, g->stream));
     g->pend_slot = 0;
-    if (T == 1 && r->graph && !g->captured) {
+    if (keeping(r) && (r->spec < 1 || T > r->spec + 1)) {
+        fprintf(stderr, "nemoh: keep: %d tokens, states kept for %d\n", T, r->spec > 0 ? r->spec + 1 : 0);
+        exit(1);
+    }
+    if (r->pass == PASS_MAIN) {   /* a main forward moves the states on: what was kept before is stale */
+        g->kept_n = keeping(r) ? T : 0;
+        g->kept_live = T - 1;
+    }
+    if (T == 1 && r->graph && !g->captured && !keeping(r)) {
         CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
         g->capturing = 1;
     }
@@ -2487,9 +2528,10 @@ static void gpu_end(Rank *r, int T) {
 
 static int gpu_replay(Rank *r, const int *tok, int T, int pos) {
     GpuRank *g = gpu_rank(r);
-    if (T != 1 || !g->captured) return 0;
+    if (T != 1 || !g->captured || keeping(r)) return 0;   /* a step whose states are kept runs eagerly */
     CUDA_CHECK(cudaSetDevice(r->gpu));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    if (r->pass == PASS_MAIN) g->kept_n = 0;
     g->host_io[0] = tok[0];
     g->host_io[1] = pos;
     CUDA_CHECK(cudaMemcpyAsync(g->tok, g->host_io, sizeof(int), cudaMemcpyHostToDevice, g->stream));
@@ -2567,6 +2609,10 @@ static void gpu_mtp_in(Rank *r, const int *tok, int T, int row) {
     matmul(g, g->res, H, g->eh, 2 * H, T, &g->eh_proj, EPI_NONE, first_product(g, c, c->n_layers), NULL);
 }
 
+/* Where the state at `live` (a layer's conv_st or ssm) is kept after token 0 with r->keep; the slot
+ * of token t is snap_bytes further on per token. */
+static float *kept_at(GpuRank *g, float *live) { return (float *)(g->kept + ((char *)live - g->state)); }
+
 static void gpu_mamba(Rank *r, int l, int T, int pos) {
     (void)pos;
     GpuRank *g = gpu_rank(r);
@@ -2574,8 +2620,10 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     const Config *c = r->c;
     const Shard *s = &r->s;
     int H = c->hidden, di = s->d_inner, cv = s->conv, in = s->in_proj, N = c->d_state;
+    size_t slot = g->snap_bytes / sizeof(float);   /* floats between two kept states */
     matmul(g, g->proj, in, g->x, H, T, &L->in_proj, EPI_NONE, &L->out, NULL);
-    LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, g->stream, conv_kernel, g->xbc, g->proj + di, in, L->conv_st, L->conv_w, L->conv_b, T, cv);
+    LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, g->stream, conv_kernel, g->xbc, g->proj + di, in, L->conv_st, L->conv_w,
+           L->conv_b, T, cv, keeping(r) ? kept_at(g, L->conv_st) : NULL, slot);
     if (T > 1) {
         LAUNCH(cdiv(cv, 128), 128, 0, g->stream, conv_state_kernel, L->conv_st, g->proj + di, in, T, cv);
     }
@@ -2583,9 +2631,10 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     ScanArgs sa = {.y = g->y, .ssm = L->ssm, .xbc = g->xbc, .proj = g->proj, .ld_proj = in, .dt_off = di + cv, .A = L->A, .D = L->D,
                    .dt_bias = L->dt_bias, .T = T, .heads = s->m_heads, .hdim = c->m_hdim, .groups = s->groups, .d_inner = di,
                    .chunk = 0, .warm = L->out.w, .warm_n = T == 1 ? warm_bytes(&L->out) : 0, .gw = fold ? L->gnorm : NULL,
-                   .gss = fold ? g->gss : NULL};
-    if (T > 1 && lowp(&L->in_proj)) ssd_scan(g->stream, sa, N);   /* a prompt of a bf16 model: the chunked scan */
-    else ssm_scan(g->stream, sa, N);                                /* fp32 models keep the exact one */
+                   .gss = fold ? g->gss : NULL, .keep = keeping(r) ? kept_at(g, L->ssm) : NULL, .keep_step = slot};
+    /* a prompt of a bf16 model: the chunked scan; fp32 models, and steps whose states are kept, the exact one */
+    if (T > 1 && lowp(&L->in_proj) && !keeping(r)) ssd_scan(g->stream, sa, N);
+    else ssm_scan(g->stream, sa, N);
     GroupScale gs = {g->gss, s->m_heads / s->groups * scan_blocks(c->m_hdim, N), gsize, c->eps};
     dim3 gn_grid(T * s->groups), gn_block(gated_norm_threads(gsize));
     if (T > 1 && lowp(&L->out)) {   /* a bf16 prompt: the gated norm writes out_proj's bf16 input itself */
@@ -3015,6 +3064,13 @@ static size_t mat_bytes(const Mat *m, int rows, int *quant) {
     return gmat_bytes(&d) + (d.fmt == DT_NVFP4 ? (size_t)rows * d.ld / 16 : 0) + (q ? (size_t)rows * 4 : 0);
 }
 
+/* Bytes of one Mamba layer's part of GpuRank.state: its conv window, then its SSM state, each from a
+ * 256-byte boundary. */
+static size_t conv_state_bytes(const Rank *r) { return ((size_t)r->s.conv * 3 * sizeof(float) + 255) / 256 * 256; }
+static size_t mamba_state_bytes(const Rank *r) {
+    return conv_state_bytes(r) + ((size_t)r->s.d_inner * r->c->d_state * sizeof(float) + 255) / 256 * 256;
+}
+
 /* Device bytes this rank needs, counted before anything large is allocated; *quant: whether some
  * matrix is quantized (a prompt then needs deq). */
 static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
@@ -3026,9 +3082,9 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
     for (int l = 0; l < n_all(c); l++) {
         const Layer *L = &w->layer[l];
         b += H * f;
-        if (L->kind == K_MAMBA)
+        if (L->kind == K_MAMBA)   /* weights; the state (mamba_state_bytes), once live and spec + 1 times kept */
             b += mat_bytes(&L->in_proj[0], s->in_proj, quant) + mat_bytes(&L->out, (int)H, quant) +
-                 ((size_t)s->conv * 8 + 3 * s->m_heads + 2 * s->d_inner + (size_t)s->d_inner * c->d_state) * f;
+                 ((size_t)s->conv * 5 + 3 * s->m_heads + 2 * s->d_inner) * f + (r->spec > 0 ? r->spec + 2 : 1) * mamba_state_bytes(r);
         else if (L->kind == K_ATTN)
             b += mat_bytes(&L->wq, (s->q + 2 * s->kv) * c->head_dim, quant) + mat_bytes(&L->wo, (int)H, quant) +
                  2 * (size_t)r->ctx * s->kv * c->head_dim * (gpu_fmt(&L->wq) == DT_F32 ? 4 : 2);   /* the cache: see GLayer */
@@ -3118,6 +3174,10 @@ static void gpu_init(Rank *r) {
     if (quant) CUDA_CHECK(cudaMalloc(&g->deq, DEQ_BYTES));
     g->lm_head = upload_mat(&w->lm_head, 1);
     g->norm_f = upload_f32(w->norm_f, H);
+    int n_mamba = 0;   /* the recurrent state, zeros: Mamba layer i's from i * mamba_state_bytes */
+    for (int l = 0; l < n_all(c); l++) n_mamba += c->kind[l] == K_MAMBA;
+    CUDA_CHECK(cudaMalloc(&g->state, n_mamba * mamba_state_bytes(r) + 1));
+    CUDA_CHECK(cudaMemset(g->state, 0, n_mamba * mamba_state_bytes(r) + 1));
     if (c->n_mtp) {
         g->enorm = upload_f32(w->enorm, H);
         g->hnorm = upload_f32(w->hnorm, H);
@@ -3138,8 +3198,9 @@ static void gpu_init(Rank *r) {
             gl->dt_bias = upload_f32(L->dt_bias, (size_t)s->m_heads);
             gl->gnorm = upload_f32(L->gnorm, (size_t)s->d_inner);
             gl->out = upload_mat(&L->out, 1);
-            gl->conv_st = zeros((size_t)s->conv * 3);
-            gl->ssm = zeros((size_t)s->d_inner * c->d_state);
+            gl->conv_st = (float *)(g->state + g->snap_bytes);
+            gl->ssm = (float *)(g->state + g->snap_bytes + conv_state_bytes(r));
+            g->snap_bytes += mamba_state_bytes(r);
         } else if (L->kind == K_ATTN) {
             Mat qkv[3] = {L->wq, L->wk, L->wv};
             gl->qkv = upload_mat(qkv, 3);
@@ -3173,6 +3234,7 @@ static void gpu_init(Rank *r) {
         MoeShape ms = moe_shape(r);
         moe_alloc(g, &ms, (int)T);
     }
+    if (r->spec > 0) CUDA_CHECK(cudaMalloc(&g->kept, (r->spec + 1) * g->snap_bytes + 1));
 
     /* buffers */
     g->pend = symmetric_window_create(sh->comm[s->rank], 2 * T * H * sizeof(float), s->n);
@@ -3209,8 +3271,7 @@ static void gpu_free(Rank *r) {
     symmetric_window_free(gpu_shared(r)->comm[r->s.rank], &g->pend);
     for (int l = 0; l < n_all(c); l++) {
         GLayer *gl = &g->L[l];
-        void *ptrs[] = {gl->norm, gl->conv_w, gl->conv_b, gl->A, gl->D, gl->dt_bias, gl->gnorm, gl->conv_st, gl->ssm, gl->k, gl->v,
-                        gl->gate, gl->gate_bias};
+        void *ptrs[] = {gl->norm, gl->conv_w, gl->conv_b, gl->A, gl->D, gl->dt_bias, gl->gnorm, gl->k, gl->v, gl->gate, gl->gate_bias};
         for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
         for (GMat *m : {&gl->in_proj, &gl->out, &gl->qkv, &gl->o, &gl->up, &gl->down, &gl->eup, &gl->edown, &gl->sup, &gl->sdown,
                         &gl->lat_in, &gl->lat_out})
@@ -3224,7 +3285,9 @@ static void gpu_free(Rank *r) {
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     moe_free(g);
+    CUDA_CHECK(cudaFree(g->state));
     CUDA_CHECK(cudaFree(g->snap));
+    CUDA_CHECK(cudaFree(g->kept));
     CUDA_CHECK(cudaFreeHost(g->host_logits));
     CUDA_CHECK(cudaFreeHost(g->host_io));
     CUBLAS_CHECK(cublasDestroy(g->blas));
@@ -3233,28 +3296,26 @@ static void gpu_free(Rank *r) {
     r->st = NULL;
 }
 
-/* --chat's snapshots: device-to-device copies, in stream order, of every Mamba layer's conv window
- * and SSM state into a slot of one buffer made at the first save, or back. The decode graph reads
- * those same buffers, so a restored state is what its next replay sees. */
+/* --chat's snapshots: a device-to-device copy, in stream order, of every Mamba layer's conv window
+ * and SSM state (state) into a slot of one buffer made at the first save, or back. The decode graph
+ * reads state itself, so a restored state is what its next replay sees. */
 static void gpu_snapshot(Rank *r, int slot, int save) {
     GpuRank *g = gpu_rank(r);
-    const Config *c = r->c;
-    size_t nc = (size_t)r->s.conv * 3 * sizeof(float), ns = (size_t)r->s.d_inner * c->d_state * sizeof(float);
     CUDA_CHECK(cudaSetDevice(r->gpu));
-    if (!g->snap) {
-        for (int l = 0; l < n_all(c); l++) g->snap_bytes += c->kind[l] == K_MAMBA ? nc + ns : 0;
-        CUDA_CHECK(cudaMalloc(&g->snap, SNAPSHOT_SLOTS * g->snap_bytes + 1));
-    }
+    if (!g->snap) CUDA_CHECK(cudaMalloc(&g->snap, SNAPSHOT_SLOTS * g->snap_bytes + 1));
     char *p = g->snap + slot * g->snap_bytes;
-    for (int l = 0; l < n_all(c); l++) {
-        if (c->kind[l] != K_MAMBA) continue;
-        GLayer *gl = &g->L[l];
-        CUDA_CHECK(cudaMemcpyAsync(save ? p : (char *)gl->conv_st, save ? (char *)gl->conv_st : p, nc, cudaMemcpyDeviceToDevice,
-                                   g->stream));
-        CUDA_CHECK(cudaMemcpyAsync(save ? p + nc : (char *)gl->ssm, save ? (char *)gl->ssm : p + nc, ns, cudaMemcpyDeviceToDevice,
-                                   g->stream));
-        p += nc + ns;
-    }
+    CUDA_CHECK(cudaMemcpyAsync(save ? p : g->state, save ? g->state : p, g->snap_bytes, cudaMemcpyDeviceToDevice, g->stream));
+}
+
+/* Every Mamba layer's state := the one after token t of the last forward run with r->keep: one copy in
+ * stream order, none where the live state is that one already (after the forward, its last token's). */
+static void gpu_rewind(Rank *r, int t) {
+    GpuRank *g = gpu_rank(r);
+    if (t < 0 || t >= g->kept_n) { fprintf(stderr, "nemoh: rewind to token %d of %d kept\n", t, g->kept_n); exit(1); }
+    if (t == g->kept_live) return;
+    CUDA_CHECK(cudaSetDevice(r->gpu));
+    CUDA_CHECK(cudaMemcpyAsync(g->state, g->kept + t * g->snap_bytes, g->snap_bytes, cudaMemcpyDeviceToDevice, g->stream));
+    g->kept_live = t;
 }
 
 /* Designated initialisers, in the order Backend declares its fields (C++ wants that order). */
@@ -3279,6 +3340,7 @@ extern "C" const Backend cuda_backend = {
     .moe = gpu_moe,
     .snapshot = gpu_snapshot,
     .mtp_in = gpu_mtp_in,
+    .rewind = gpu_rewind,
 };
 
 /* ------------------------------------------------------------------------------------------------

@@ -64,6 +64,20 @@ static void expect(const char *what, const std::vector<float> &got, const std::v
     ok ? n_pass++ : n_fail++;
 }
 
+/* got == want bit for bit (the same computation reached by another path): the count of elements that
+ * differ, and the largest difference among them */
+static void expect_same(const char *what, const std::vector<float> &got, const std::vector<float> &want) {
+    size_t bad = got.size() != want.size() ? 1 : 0;
+    double worst = 0;
+    for (size_t i = 0; i < got.size() && i < want.size(); i++)
+        if (memcmp(&got[i], &want[i], sizeof(float))) {
+            bad++;
+            worst = fmax(worst, fabs((double)got[i] - want[i]));
+        }
+    printf("%-7s %-62s %zu of %zu differ (max %.2e)\n", bad ? "FAILED" : "ok", what, bad, want.size(), worst);
+    bad ? n_fail++ : n_pass++;
+}
+
 static void expect_int(const char *what, int got, int want) {
     int ok = got == want;
     printf("%-7s %-62s got %d, want %d\n", ok ? "ok" : "FAILED", what, got, want);
@@ -347,7 +361,8 @@ static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> 
         int fold = gnorm_folds(T, heads, hdim, N, gs, fmt_per(fmt));
         std::vector<float> proj = rand_vec((size_t)T * in);
         float *d_proj = dev_copy(proj), *d_xbc = dev_copy(std::vector<float>((size_t)T * cv)), *d_y = dev_copy(std::vector<float>((size_t)T * di));
-        LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv);
+        LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv,
+               (float *)nullptr, (size_t)0);
         if (T > 1) {
             LAUNCH(cdiv(cv, 128), 128, 0, 0, conv_state_kernel, d_cst, d_proj + di, in, T, cv);
         }
@@ -420,6 +435,94 @@ static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> 
     for (float *p : {d_cw, d_cb, d_A, d_D, d_dtb, d_gw, d_cst, d_ssm, d_gss, d_out}) CUDA_CHECK(cudaFree(p));
     free_mat(&Wo);
     free_rank(&gr);
+}
+
+/* ---- keep + rewind: a step of T tokens whose recurrent states are kept (gpu_begin with r->keep, then
+ * conv + scan as gpu_mamba launches them, gated where one token's decode is) against T one-token
+ * steps from the same random state: outputs and the scan's sums of u^2 bit for bit; then rewind(t)
+ * in a shuffled order (the last token's among them, not first): every state bit for bit the one
+ * after token t ---- */
+static void test_keep(int heads, int hdim, int groups, int N, int T) {
+    int di = heads * hdim, cv = di + 2 * groups * N, in = di + cv + heads + 3, gs = di / groups;
+    std::vector<float> cw = rand_vec((size_t)cv * 4, 0.5f), cb = rand_vec(cv, 0.2f), A(heads), D = rand_vec(heads), dtb(heads),
+        gw = rand_vec(di), proj = rand_vec((size_t)T * in);
+    for (int h = 0; h < heads; h++) { A[h] = -(1.0f + 15.0f * (uni() + 1) / 2); dtb[h] = -3.0f + uni(); }
+    Config c;
+    memset(&c, 0, sizeof c);
+    c.d_state = N;
+    Rank r;
+    memset(&r, 0, sizeof r);
+    r.c = &c;
+    r.s.conv = cv;
+    r.s.d_inner = di;
+    r.spec = T + 1;   /* more slots than this step uses */
+    r.keep = 1;
+    r.pass = PASS_MAIN;
+    GpuRank g = make_rank(8);
+    r.st = &g;
+    g.snap_bytes = mamba_state_bytes(&r);
+    std::vector<float> st0 = rand_vec(g.snap_bytes / sizeof(float));
+    g.state = (char *)dev_copy(st0);
+    g.kept = (char *)dev_copy(std::vector<float>((r.spec + 1) * g.snap_bytes / sizeof(float), NAN));
+    CUDA_CHECK(cudaMalloc(&g.tok, T * sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&g.pos, sizeof(int)));
+    CUDA_CHECK(cudaMallocHost(&g.host_io, (T + 2) * sizeof(int)));
+    float *conv_st = (float *)g.state, *ssm = (float *)(g.state + conv_state_bytes(&r));
+    int fold = gnorm_folds(1, heads, hdim, N, gs, fmt_per(DT_BF16)), nss = heads * scan_blocks(hdim, N);
+    float *d_cw = dev_copy(cw), *d_cb = dev_copy(cb), *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb), *d_gw = dev_copy(gw);
+    float *d_proj = dev_copy(proj), *d_xbc = dev_copy(std::vector<float>((size_t)T * cv)), *d_y = dev_copy(std::vector<float>((size_t)T * di));
+    float *d_gss = dev_copy(std::vector<float>((size_t)T * nss));
+    auto step = [&](int t0, int n, int keep) {   /* tokens t0 .. t0 + n - 1, as gpu_mamba runs them */
+        size_t slot = g.snap_bytes / sizeof(float);
+        LAUNCH(dim3(cdiv(cv, 128), cdiv(n, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc + (size_t)t0 * cv, (const float *)d_proj + (size_t)t0 * in + di,
+               in, conv_st, (const float *)d_cw, (const float *)d_cb, n, cv, keep ? kept_at(&g, conv_st) : (float *)nullptr, slot);
+        if (n > 1) LAUNCH(cdiv(cv, 128), 128, 0, 0, conv_state_kernel, conv_st, (const float *)d_proj + (size_t)t0 * in + di, in, n, cv);
+        ScanArgs sa = scan_args(d_y + (size_t)t0 * di, ssm, d_xbc + (size_t)t0 * cv, d_proj + (size_t)t0 * in, in, d_A, d_D, d_dtb, n, heads,
+                                hdim, groups, N);
+        sa.gw = fold ? d_gw : nullptr;
+        sa.gss = fold ? d_gss + (size_t)t0 * nss : nullptr;
+        sa.keep = keep ? kept_at(&g, ssm) : nullptr;
+        sa.keep_step = slot;
+        ssm_scan(0, sa, N);
+    };
+    auto state = [&]() {   /* the conv window and the SSM state, without the padding between them */
+        std::vector<float> v = host_copy((float *)g.state, st0.size());
+        v.erase(v.begin() + (size_t)cv * 3, v.begin() + conv_state_bytes(&r) / sizeof(float));
+        v.resize((size_t)cv * 3 + (size_t)di * N);
+        return v;
+    };
+    std::vector<std::vector<float>> after(T);   /* the state after each token, one token at a time */
+    for (int t = 0; t < T; t++) {
+        step(t, 1, 0);
+        after[t] = state();
+    }
+    std::vector<float> y1 = host_copy(d_y, (size_t)T * di), gss1 = host_copy(d_gss, (size_t)T * nss);
+    CUDA_CHECK(cudaMemcpy(g.state, st0.data(), g.snap_bytes, cudaMemcpyHostToDevice));
+    std::vector<int> tok(T, 0);
+    gpu_begin(&r, tok.data(), T, 0);
+    step(0, T, 1);
+    char what[160];
+    snprintf(what, sizeof what, "keep: %d tokens, heads %d x %d, N %d%s: outputs = one token at a time", T, heads, hdim, N,
+             fold ? ", gated" : "");
+    expect_same(what, host_copy(d_y, (size_t)T * di), y1);
+    if (fold) expect_same("... the scan's sums of u^2, token by token", host_copy(d_gss, (size_t)T * nss), gss1);
+    expect_same("... the live state after the step = after its last token", state(), after[T - 1]);
+    std::vector<int> order(T);
+    for (int t = 0; t < T; t++) order[t] = (t + 1) % T;   /* T - 1 last: after others, it must copy */
+    std::shuffle(order.begin(), order.end() - 1, rng);
+    int bad = 0;
+    for (int t : order) {
+        gpu_rewind(&r, t);
+        std::vector<float> got = state();
+        bad += memcmp(got.data(), after[t].data(), got.size() * sizeof(float)) != 0;
+    }
+    snprintf(what, sizeof what, "... rewind(t), t in a shuffled order: states unlike token t's (of %d)", T);
+    expect_int(what, bad, 0);
+    for (void *p : {(void *)d_cw, (void *)d_cb, (void *)d_A, (void *)d_D, (void *)d_dtb, (void *)d_gw, (void *)d_proj, (void *)d_xbc,
+                    (void *)d_y, (void *)d_gss, (void *)g.state, (void *)g.kept, (void *)g.tok, (void *)g.pos})
+        CUDA_CHECK(cudaFree(p));
+    CUDA_CHECK(cudaFreeHost(g.host_io));
+    free_rank(&g);
 }
 
 /* ---- the chunked SSD scan (prompts of bf16 models) over several calls from a random state, then a
@@ -1114,6 +1217,12 @@ int main(int argc, char **argv) {
     test_mamba(8, 64, 4, 128, {1}, DT_FP8);     /* the gated norm folded into a quantized out_proj */
     test_mamba(8, 64, 4, 128, {1}, DT_NVFP4);
     test_mamba(6, 10, 2, 16, {1}, DT_NVFP4);    /* groups of 30 channels: no fold with NVFP4's 32-element pieces */
+    test_keep(6, 10, 2, 16, 4);     /* groups of 30: no fold */
+    test_keep(8, 64, 4, 128, 9);    /* gated, as nemotron-h-8b's heads decode */
+    test_keep(4, 12, 2, 256, 3);
+    test_keep(2, 80, 1, 128, 2);    /* rows of one head across blocks */
+    test_keep(32, 64, 1, 64, 1);    /* one token */
+    test_keep(16, 64, 8, 8, 17);    /* more tokens than a stage of the scan holds */
     test_ssd(6, 10, 2, 8, {37, 1, 64, 1});          /* the tiny-bf16 fixture's shape: one partial chunk, one whole */
     test_ssd(8, 64, 2, 128, {130, 1, 200, 1});      /* nemotron-h-8b's head and state: chunks across calls */
     test_ssd(4, 80, 1, 64, {65, 1});                /* P = 80: channels over two blocks, a chunk of one step at the end */
