@@ -199,8 +199,9 @@ typedef struct {
     int proj_w, y_w, act_w;     /* columns of proj, y (proj_width, y_width) and act16 (the widest input) */
     int splits;                 /* decode attention splits a head (attn_splits) */
     int gemv_slots;             /* gemv_kernel blocks the GPU holds at once (per SM x SMs) */
-    cudaGraphExec_t graph;      /* the captured single-token step */
-    int capturing, captured;
+    cudaGraphExec_t graph[2];   /* [PASS_MAIN, PASS_MTP] the captured single-token step of each forward */
+    int captured[2];            /* [PASS_MAIN, PASS_MTP] graph[pass] holds one */
+    int capturing;              /* the stream is capturing this forward (graph[r->pass]) */
     char *state;                /* [snap_bytes] every Mamba layer's conv_st then ssm (mamba_state_bytes a layer) */
     size_t snap_bytes;          /* bytes of state */
     char *snap;                 /* [SNAPSHOT_SLOTS, snap_bytes] saved copies of state (--chat) */
@@ -2490,6 +2491,14 @@ static GpuRank *gpu_rank(Rank *r) { return (GpuRank *)r->st; }
 static int keeping(const Rank *r) { return r->keep && r->pass == PASS_MAIN; }
 static GpuShared *gpu_shared(Rank *r) { return (GpuShared *)r->sh; }
 
+/* Starts capturing this single-token forward, unless its pass has a graph already or its states are kept. */
+static void capture(Rank *r) {
+    GpuRank *g = gpu_rank(r);
+    if (!r->graph || g->captured[r->pass] || keeping(r)) return;
+    CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
+    g->capturing = 1;
+}
+
 static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
     GpuRank *g = gpu_rank(r);
     CUDA_CHECK(cudaSetDevice(r->gpu));
@@ -2507,10 +2516,7 @@ static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
         g->kept_n = keeping(r) ? T : 0;
         g->kept_live = T - 1;
     }
-    if (T == 1 && r->graph && !g->captured && !keeping(r)) {
-        CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
-        g->capturing = 1;
-    }
+    if (T == 1 && r->pass == PASS_MAIN) capture(r);   /* an MTP step starts its capture in gpu_mtp_in */
 }
 
 static void gpu_end(Rank *r, int T) {
@@ -2519,16 +2525,19 @@ static void gpu_end(Rank *r, int T) {
     if (!g->capturing) return;
     cudaGraph_t graph;
     CUDA_CHECK(cudaStreamEndCapture(g->stream, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&g->graph, graph, 0));
+    CUDA_CHECK(cudaGraphInstantiate(&g->graph[r->pass], graph, 0));
     CUDA_CHECK(cudaGraphDestroy(graph));
     g->capturing = 0;
-    g->captured = 1;
-    CUDA_CHECK(cudaGraphLaunch(g->graph, g->stream));  /* the capture recorded the step; now run it */
+    g->captured[r->pass] = 1;
+    CUDA_CHECK(cudaGraphLaunch(g->graph[r->pass], g->stream));  /* the capture recorded the step; now run it */
 }
 
+/* Replays this pass's single-token graph. The MTP pass's was captured with mtp_in's row 0 (a host
+ * value the graph holds): the layer loop asks for it only where that row is 0, and runs the others
+ * eagerly. */
 static int gpu_replay(Rank *r, const int *tok, int T, int pos) {
     GpuRank *g = gpu_rank(r);
-    if (T != 1 || !g->captured || keeping(r)) return 0;   /* a step whose states are kept runs eagerly */
+    if (T != 1 || !g->captured[r->pass] || keeping(r)) return 0;   /* a step whose states are kept runs eagerly */
     CUDA_CHECK(cudaSetDevice(r->gpu));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
     if (r->pass == PASS_MAIN) g->kept_n = 0;
@@ -2536,7 +2545,7 @@ static int gpu_replay(Rank *r, const int *tok, int T, int pos) {
     g->host_io[1] = pos;
     CUDA_CHECK(cudaMemcpyAsync(g->tok, g->host_io, sizeof(int), cudaMemcpyHostToDevice, g->stream));
     CUDA_CHECK(cudaMemcpyAsync(g->pos, g->host_io + 1, sizeof(int), cudaMemcpyHostToDevice, g->stream));
-    CUDA_CHECK(cudaGraphLaunch(g->graph, g->stream));
+    CUDA_CHECK(cudaGraphLaunch(g->graph[r->pass], g->stream));
     g->rows = 1;
     return 1;
 }
@@ -2581,11 +2590,15 @@ static void gpu_allreduce(Rank *r, int T) {
     gpu_rank(r)->pend_slot ^= 1;
 }
 
-/* Layer l's first product (lm_head after the last block, and after the MTP block's last sublayer):
- * what the product before it warms L2 for. */
+/* Layer l's first product: what the product before it warms L2 for. */
 static const GMat *first_product(GpuRank *g, const Config *c, int l) {
-    if (l == c->n_layers || l >= n_all(c)) return &g->lm_head;
     return c->kind[l] == K_MAMBA ? &g->L[l].in_proj : c->kind[l] == K_ATTN ? &g->L[l].qkv : c->kind[l] == K_MOE ? &g->L[l].sup : &g->L[l].up;
+}
+
+/* The product after layer l's: the next layer's first, or lm_head after the last block and after the
+ * MTP block's last sublayer. */
+static const GMat *next_product(GpuRank *g, const Config *c, int l) {
+    return l + 1 == c->n_layers || l + 1 >= n_all(c) ? &g->lm_head : first_product(g, c, l + 1);
 }
 
 /* Where the current mixer writes its partial sums: slot pend_slot, which the next norm adds. */
@@ -2604,6 +2617,7 @@ static void gpu_mtp_in(Rank *r, const int *tok, int T, int row) {
     const Config *c = r->c;
     int H = c->hidden;
     if (row < 0 || row + T > r->t_max) { fprintf(stderr, "nemoh: mtp_in: rows %d..%d of %d\n", row, row + T - 1, r->t_max); exit(1); }
+    if (T == 1 && row == 0) capture(r);   /* the graph holds row: only row 0 is replayed (gpu_replay) */
     LAUNCH(dim3(T, 2), NORM_THREADS, 0, g->stream, mtp_in_kernel, g->eh, (const GMat)g->embed, (const int *)g->tok,
            (const float *)g->x + (size_t)row * H, (const float *)g->enorm, (const float *)g->hnorm, H, c->eps);
     matmul(g, g->res, H, g->eh, 2 * H, T, &g->eh_proj, EPI_NONE, first_product(g, c, c->n_layers), NULL);
@@ -2645,7 +2659,7 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     if (!fold) {
         LAUNCH(gn_grid, gn_block, 0, g->stream, gated_norm_kernel<float>, g->y, di, g->y, g->proj, in, L->gnorm, di, gsize, c->eps);
     }
-    matmul(g, pend_out(r), H, g->y, di, T, &L->out, fold ? EPI_GNORM : EPI_NONE, first_product(g, c, l + 1), &gs);
+    matmul(g, pend_out(r), H, g->y, di, T, &L->out, fold ? EPI_GNORM : EPI_NONE, next_product(g, c, l), &gs);
 }
 
 /* The attention after the qkv product, on the cache of dtype KT: append, then one query (decode) or a
@@ -2678,7 +2692,7 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
     matmul(g, g->proj, w, g->x, H, T, &L->qkv, EPI_NONE, &L->o, NULL);
     if (lowp(&L->qkv)) attend(r, L, (bf16 *)L->k, (bf16 *)L->v, T, pos);
     else attend(r, L, (float *)L->k, (float *)L->v, T, pos);
-    matmul(g, pend_out(r), H, g->y, qw, T, &L->o, EPI_NONE, first_product(g, c, l + 1), NULL);
+    matmul(g, pend_out(r), H, g->y, qw, T, &L->o, EPI_NONE, next_product(g, c, l), NULL);
 }
 
 /* out = down relu(up x)^2 for T tokens of x (an MLP layer, a shared expert); at T = 1 down's last
@@ -2700,7 +2714,7 @@ static void relu2_mlp(GpuRank *g, float *out, int ldo, const float *x, int ldx, 
 static void gpu_mlp(Rank *r, int l, int T) {
     GpuRank *g = gpu_rank(r);
     GLayer *L = &g->L[l];
-    relu2_mlp(g, pend_out(r), r->c->hidden, g->x, r->c->hidden, T, &L->up, &L->down, first_product(g, r->c, l + 1));
+    relu2_mlp(g, pend_out(r), r->c->hidden, g->x, r->c->hidden, T, &L->up, &L->down, next_product(g, r->c, l));
 }
 
 /* ---- the mixture-of-experts layer ---- */
@@ -2824,7 +2838,7 @@ static void gpu_moe(Rank *r, int l, int T) {
     MoeShape ms = moe_shape(r);
     MoeRoute rt = {c->n_experts, c->top_k, c->n_group, c->topk_group, c->norm_topk, c->routed_scale};
     moe_choose(g, &g->L[l], &ms, rt, T);
-    moe_experts(g, &g->L[l], &ms, pend_out(r), T, first_product(g, c, l + 1));
+    moe_experts(g, &g->L[l], &ms, pend_out(r), T, next_product(g, c, l));
 }
 
 static void gpu_logits(Rank *r, int T, int all) {
@@ -3267,7 +3281,8 @@ static void gpu_free(Rank *r) {
     const Config *c = r->c;
     CUDA_CHECK(cudaSetDevice(r->gpu));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
-    if (g->captured) CUDA_CHECK(cudaGraphExecDestroy(g->graph));
+    for (int p : {PASS_MAIN, PASS_MTP})
+        if (g->captured[p]) CUDA_CHECK(cudaGraphExecDestroy(g->graph[p]));
     symmetric_window_free(gpu_shared(r)->comm[r->s.rank], &g->pend);
     for (int l = 0; l < n_all(c); l++) {
         GLayer *gl = &g->L[l];
