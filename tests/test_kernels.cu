@@ -358,7 +358,7 @@ static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> 
     GpuRank gr = make_rank(1);
     float *d_gss = dev_copy(std::vector<float>((size_t)heads * scan_blocks(hdim, N))), *d_out = dev_copy(std::vector<float>(rows));
     for (int T : steps) {
-        int fold = gnorm_folds(T, heads, hdim, N, gs, fmt_per(fmt));
+        int fold = gnorm_folds(T == 1, heads, hdim, N, gs, fmt_per(fmt));
         std::vector<float> proj = rand_vec((size_t)T * in);
         float *d_proj = dev_copy(proj), *d_xbc = dev_copy(std::vector<float>((size_t)T * cv)), *d_y = dev_copy(std::vector<float>((size_t)T * di));
         LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv,
@@ -579,7 +579,7 @@ template <typename KT> static void test_attention(int q, int kv, int hd, int pos
     LAUNCH(1, 256, 0, 0, kv_append_kernel<KT>, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
     AttnArgs<KT> a = {.part = d_part, .q = d_qkv, .kc = d_k, .vc = d_v, .pos = d_pos, .kw = kw, .hd = hd, .group = group,
                       .q0 = 0, .kv0 = 0, .scale = scale, .splits = splits, .warm = d_k, .warm_n = (size_t)ctx * kw * sizeof(KT)};
-    attn_decode(0, a, q);
+    attn_decode(0, a, q, 1);
     LAUNCH(q, 128, 0, 0, attn_combine_kernel, d_y, d_part, d_pos, hd, splits);
     for (int i = 0; i < kw; i++) { kc[(size_t)pos * kw + i] = op(qkv[q * hd + i]); vc[(size_t)pos * kw + i] = op(qkv[q * hd + kw + i]); }
     for (int i = 0; i < q * hd; i++) qkv[i] = op(qkv[i]);   /* the bf16 kernel's queries are bf16 too */
@@ -1133,7 +1133,7 @@ static void time_gemv(int rows, int cols, int fmt = DT_BF16) {
     for (int wpr = 1; wpr <= (fmt == DT_BF16 ? GEMV_WARPS : 0); wpr *= 2)
         printf(" %.1f", time_us(g.stream, 50, [&] {
             GemvArgs a = {.out = dout, .W = W, .x = dx, .wpr = wpr, .warm = nullptr, .warm_n = 0, .warm_from = 0, .gs = GroupScale{}};
-            LAUNCH(cdiv(rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g.stream, gemv_for(fmt, EPI_NONE), a);
+            LAUNCH(cdiv(rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g.stream, gemv_for(fmt, EPI_NONE, 0), a);
         }));
     printf(" us\n");
     free_mat(&W);
