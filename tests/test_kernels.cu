@@ -185,6 +185,58 @@ static void test_matmul(int fmt, int rows, int cols, int T, int epi) {
     free_rank(&g);
 }
 
+/* ---- a few tokens' product as a decoded step runs it (a verify step), in every format and epilogue:
+ * one launch of the several-token kernel against T launches of the one-token kernel, bit for bit, and
+ * against float64; x and out with row strides of their own (x's padding NaN: a read past a row
+ * shows); EPI_GNORM with each token's own partial sums of u^2 ---- */
+static void test_gemv_tokens(int fmt, int rows, int cols, int T, int epi, int groups = 1) {
+    HostMat h = host_mat(fmt, rows, cols, 1.0f / sqrtf((float)cols));
+    Mat m = view(h, 0, rows, 0, cols);
+    GMat W = upload_mat(&m, 1);
+    int ldx = (cols + 3) / 4 * 4 + 4, ldo = rows + 3, gsize = cols / groups, parts = 3;
+    std::vector<float> x((size_t)T * ldx, NAN), ss((size_t)T * groups * parts);
+    for (int t = 0; t < T; t++) for (int k = 0; k < cols; k++) x[(size_t)t * ldx + k] = uni();
+    for (auto &v : ss) v = 0.5f + (uni() + 1) * gsize;
+    GpuRank g = make_rank(8);
+    g.dec_t = T;
+    float *dx = dev_copy(x), *dss = dev_copy(ss), *many = dev_copy(std::vector<float>((size_t)T * ldo, NAN));
+    float *one = dev_copy(std::vector<float>((size_t)T * ldo, NAN));
+    GroupScale gs = {dss, parts, gsize, 1e-5f, (size_t)groups * parts};
+    matmul(&g, many, ldo, dx, ldx, T, &W, epi, &W, epi == EPI_GNORM ? &gs : nullptr);
+    for (int t = 0; t < T; t++) {
+        GroupScale g1 = gs;
+        g1.ss += (size_t)t * gs.step;
+        matmul(&g, one + (size_t)t * ldo, ldo, dx + (size_t)t * ldx, ldx, 1, &W, epi, &W, epi == EPI_GNORM ? &g1 : nullptr);
+    }
+    std::vector<float> got_many = host_copy(many, (size_t)T * ldo), got_one = host_copy(one, (size_t)T * ldo), a, b;
+    std::vector<double> ref;
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < rows; i++) {
+            double acc = 0;
+            for (int k = 0; k < cols; k++) {
+                double sc = 1;
+                if (epi == EPI_GNORM) {
+                    double sum = 0;
+                    for (int j = 0; j < parts; j++) sum += ss[((size_t)t * groups + k / gsize) * parts + j];
+                    sc = 1 / sqrt(sum / gsize + 1e-5);
+                }
+                acc += (double)h.v[(size_t)i * cols + k] * x[(size_t)t * ldx + k] * sc;
+            }
+            if (epi == EPI_RELU2) acc = acc > 0 ? acc * acc : 0;
+            ref.push_back(acc);
+            a.push_back(got_many[(size_t)t * ldo + i]);
+            b.push_back(got_one[(size_t)t * ldo + i]);
+        }
+    char what[160];
+    snprintf(what, sizeof what, "gemv %s %dx%d, %d tokens in one launch%s = one by one", fmt_name(fmt), rows, cols, T,
+             epi == EPI_RELU2 ? ", relu^2" : epi == EPI_GNORM ? ", group scales" : "");
+    expect_same(what, a, b);
+    expect("... against float64", a, ref, 2e-5);
+    free_mat(&W);
+    for (float *p : {dx, dss, many, one}) CUDA_CHECK(cudaFree(p));
+    free_rank(&g);
+}
+
 /* ---- embedding gather, RMSNorm with and without the residual add ---- */
 static void test_norms(int hidden, int T) {
     std::vector<float> res = rand_vec((size_t)T * hidden, 3.0f), add = rand_vec((size_t)T * hidden), w = rand_vec(hidden);
@@ -241,8 +293,8 @@ static void test_norms(int hidden, int T) {
  * embedding table in fe, eh_proj in fw; x rows other than row .. row + T - 1 are NaN, so a wrong row
  * shows. The two norms against float64; the product against float64 on the GPU's own eh (rounded to
  * bf16 where cuBLAS takes a prompt's bf16 operands: W's values too) ---- */
-static void test_mtp_in(int fe, int fw, int H, int T, int row) {
-    int V = 41, dec_t = 1, t_max = row + T + 2;
+static void test_mtp_in(int fe, int fw, int H, int T, int row, int dec_t) {
+    int V = 41, t_max = row + T + 2;
     float eps = 1e-5f;
     HostMat emb = host_mat(fe, V, H, 1.0f), W = host_mat(fw, H, 2 * H, 1.0f / sqrtf(2.0f * H));
     std::vector<float> x((size_t)t_max * H, NAN), en = rand_vec(H), hn = rand_vec(H);
@@ -256,6 +308,7 @@ static void test_mtp_in(int fe, int fw, int H, int T, int row) {
     c.n_mtp = 1;
     GpuRank g = make_rank((size_t)T * pad8(2 * H));
     g.act_w = pad8(2 * H);
+    g.dec_t = dec_t;
     Mat ev = view(emb, 0, V, 0, H), wv = view(W, 0, H, 0, 2 * H);
     g.embed = upload_mat(&ev, 1);
     g.eh_proj = upload_mat(&wv, 1);
@@ -613,6 +666,70 @@ template <typename KT> static void test_attention(int q, int kv, int hd, int pos
     CUDA_CHECK(cudaFree(d_pos));
 }
 
+/* ---- a few tokens' decode attention (a verify step): T queries from position pos appended to the
+ * cache, then each token's query against keys 0..pos + t in one launch, against T one-token steps at
+ * positions pos .. pos + T - 1, bit for bit, and against float64 (cache rows past the step NaN) ---- */
+template <typename KT> static void test_attention_tokens(int q, int kv, int hd, int pos, int T, int ctx) {
+    int group = q / kv, kw = kv * hd, w = q * hd + 2 * kw, splits = attn_splits(ctx), bf = sizeof(KT) == 2;
+    auto op = [&](float v) { return bf ? bf16_round(v) : v; };
+    std::vector<float> kc = rand_vec((size_t)ctx * kw), vc = rand_vec((size_t)ctx * kw), qkv = rand_vec((size_t)T * w);
+    for (size_t i = (size_t)(pos + T) * kw; i < kc.size(); i++) kc[i] = vc[i] = NAN;
+    for (int t = 0; t < T; t++) for (int i = 0; i < q * hd; i++) qkv[(size_t)t * w + i] *= 4.0f;   /* peaked: a key too many shows */
+    KT *d_k = dev_copy_as<KT>(kc), *d_v = dev_copy_as<KT>(vc);
+    float *d_qkv = dev_copy(qkv), *many = dev_copy(std::vector<float>((size_t)T * q * hd, NAN));
+    float *one = dev_copy(std::vector<float>((size_t)T * q * hd, NAN));
+    float *d_part = dev_copy(std::vector<float>((size_t)T * q * splits * (hd + 2)));
+    int *d_pos;
+    CUDA_CHECK(cudaMalloc(&d_pos, (T + 1) * sizeof(int)));
+    std::vector<int> ps(T + 1);
+    for (int t = 0; t <= T; t++) ps[t] = pos + (t ? t - 1 : 0);   /* the step's first position, then each token's */
+    CUDA_CHECK(cudaMemcpy(d_pos, ps.data(), (T + 1) * sizeof(int), cudaMemcpyHostToDevice));
+    float scale = 1.0f / sqrtf((float)hd);
+    LAUNCH(T, 256, 0, 0, kv_append_kernel<KT>, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
+    AttnArgs<KT> a = {.part = d_part, .q = d_qkv, .ldq = w, .kc = d_k, .vc = d_v, .pos = d_pos, .kw = kw, .hd = hd, .group = group,
+                      .q0 = 0, .kv0 = 0, .scale = scale, .splits = splits, .warm = nullptr, .warm_n = 0};
+    attn_decode(0, a, q, T);
+    LAUNCH(dim3(q, T), 128, 0, 0, attn_combine_kernel, many, d_part, d_pos, hd, splits);
+    for (int t = 0; t < T; t++) {
+        AttnArgs<KT> a1 = a;
+        a1.q = d_qkv + (size_t)t * w;
+        a1.pos = d_pos + 1 + t;
+        attn_decode(0, a1, q, 1);
+        LAUNCH(q, 128, 0, 0, attn_combine_kernel, one + (size_t)t * q * hd, d_part, (const int *)d_pos + 1 + t, hd, splits);
+    }
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < kw; i++) {
+            kc[(size_t)(pos + t) * kw + i] = op(qkv[(size_t)t * w + q * hd + i]);
+            vc[(size_t)(pos + t) * kw + i] = op(qkv[(size_t)t * w + q * hd + kw + i]);
+        }
+    std::vector<double> ref((size_t)T * q * hd);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < q; h++) {
+            int g = h / group, n = pos + t + 1;
+            std::vector<double> sc(n);
+            double mx = -1e300, sum = 0;
+            for (int j = 0; j < n; j++) {
+                double d = 0;
+                for (int i = 0; i < hd; i++) d += (double)op(qkv[(size_t)t * w + h * hd + i]) * op(kc[(size_t)j * kw + g * hd + i]);
+                sc[j] = d * scale;
+                mx = fmax(mx, sc[j]);
+            }
+            for (int j = 0; j < n; j++) sum += sc[j] = exp(sc[j] - mx);
+            for (int i = 0; i < hd; i++) {
+                double acc = 0;
+                for (int j = 0; j < n; j++) acc += sc[j] * op(vc[(size_t)j * kw + g * hd + i]);
+                ref[((size_t)t * q + h) * hd + i] = acc / sum;
+            }
+        }
+    std::vector<float> got = host_copy(many, ref.size());
+    char what[160];
+    snprintf(what, sizeof what, "attention decode %s cache q %d / kv %d, head %d, %d queries from %d = one by one", bf ? "bf16" : "fp32",
+             q, kv, hd, T, pos);
+    expect_same(what, got, host_copy(one, ref.size()));
+    expect("... against float64", got, ref, bf ? 1e-2 : 1e-5);
+    for (void *p : {(void *)d_k, (void *)d_v, (void *)d_qkv, (void *)many, (void *)one, (void *)d_part, (void *)d_pos}) CUDA_CHECK(cudaFree(p));
+}
+
 /* ---- prompt attention: a chunk of T tokens from position pos (the cache holds pos keys before it)
  * appended, then attending causally; the flash kernel on a bf16 cache (against a reference on the
  * same bf16 operands; P also meets V in bf16, hence its looser tolerance) or the fp32 one on an fp32
@@ -892,6 +1009,63 @@ static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hi
     }
     for (GMat *p : {&L.eup, &L.edown, &L.sup, &L.sdown, &L.lat_in, &L.lat_out}) free_mat(p);
     for (void *p : {(void *)out, (void *)g.proj, (void *)g.x, (void *)g.x16}) CUDA_CHECK(cudaFree(p));
+    moe_free(&g);
+    free_rank(&g);
+}
+
+/* ---- a MoE layer's decode for a few tokens (a verify step): the router and the experts' kernels over
+ * T tokens in one launch each, against T one-token steps, bit for bit: choices, weights, outputs.
+ * Experts in fe, shared expert and latent projections in fs (synthetic weights drawn on the device). ---- */
+static void test_moe_tokens(int fe, int fs, int E, int K, int m, int S, int hidden, int lat, int T) {
+    int d = lat ? lat : hidden;
+    MoeShape ms = {E, K, m, S, hidden, lat, d};
+    MoeRoute rt = {E, K, 1, 1, 1, 2.5f};
+    auto sc = [](int fmt, int cols) { return fmt == DT_FP8 ? 0.05f / sqrtf((float)cols) : fmt == DT_NVFP4 ? 0.5f / sqrtf((float)cols) : 1.0f; };
+    Mat eu = {NULL, fe, E * m, d, (size_t)d, NULL, 0, sc(fe, d)}, ed = {NULL, fe, E * d, m, (size_t)m, NULL, 0, sc(fe, m)},
+        su = {NULL, fs, S, hidden, (size_t)hidden, NULL, 0, sc(fs, hidden)}, sd = {NULL, fs, hidden, S, (size_t)S, NULL, 0, sc(fs, S)},
+        li = {NULL, fs, lat, hidden, (size_t)hidden, NULL, 0, sc(fs, hidden)}, lo = {NULL, fs, hidden, lat, (size_t)lat, NULL, 0, sc(fs, lat)};
+    GLayer L;
+    memset(&L, 0, sizeof L);
+    L.eup = upload_mat(&eu, 1);
+    L.edown = upload_mat(&ed, 1);
+    L.sup = upload_mat(&su, 1);
+    L.sdown = upload_mat(&sd, 1);
+    if (lat) { L.lat_in = upload_mat(&li, 1); L.lat_out = upload_mat(&lo, 1); }
+    L.gate = dev_copy(rand_vec((size_t)E * hidden, 3.0f / sqrtf((float)hidden)));
+    L.gate_bias = dev_copy(rand_vec(E, 0.05f));
+    GpuRank g = make_rank(8);
+    g.dec_t = T;
+    moe_alloc(&g, &ms, T);
+    float *x = dev_copy(rand_vec((size_t)T * hidden)), *many = dev_copy(std::vector<float>((size_t)T * hidden, NAN));
+    float *one = dev_copy(std::vector<float>((size_t)T * hidden, NAN));
+    g.x = x;
+    moe_choose(&g, &L, &ms, rt, T);
+    moe_experts(&g, &L, &ms, many, T, nullptr);
+    std::vector<int> idx_many((size_t)T * K), idx_one((size_t)T * K);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(idx_many.data(), g.moe_idx, idx_many.size() * sizeof(int), cudaMemcpyDeviceToHost));
+    std::vector<float> w_many = host_copy(g.moe_w, (size_t)T * K), w_one;
+    for (int t = 0; t < T; t++) {
+        g.x = x + (size_t)t * hidden;
+        moe_choose(&g, &L, &ms, rt, 1);
+        moe_experts(&g, &L, &ms, one + (size_t)t * hidden, 1, nullptr);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        CUDA_CHECK(cudaMemcpy(idx_one.data() + (size_t)t * K, g.moe_idx, K * sizeof(int), cudaMemcpyDeviceToHost));
+        std::vector<float> w1 = host_copy(g.moe_w, K);
+        w_one.insert(w_one.end(), w1.begin(), w1.end());
+    }
+    std::vector<float> out_many = host_copy(many, (size_t)T * hidden);
+    int finite = 1;
+    for (float v : out_many) finite &= std::isfinite(v);
+    char what[160];
+    snprintf(what, sizeof what, "moe decode %s/%s: %d experts top %d, %d / shared %d rows, hidden %d, latent %d, %d tokens: choices",
+             fmt_name(fe), fmt_name(fs), E, K, m, S, hidden, lat, T);
+    expect_int(what, idx_many == idx_one ? 0 : 1, 0);
+    expect_same("... their weights = one token at a time", w_many, w_one);
+    expect_same("... the layer's output = one token at a time", out_many, host_copy(one, (size_t)T * hidden));
+    expect_int("... the output is finite", finite, 1);
+    for (GMat *p : {&L.eup, &L.edown, &L.sup, &L.sdown, &L.lat_in, &L.lat_out}) free_mat(p);
+    for (void *p : {(void *)L.gate, (void *)L.gate_bias, (void *)x, (void *)many, (void *)one}) CUDA_CHECK(cudaFree(p));
     moe_free(&g);
     free_rank(&g);
 }
@@ -1196,18 +1370,27 @@ int main(int argc, char **argv) {
         test_matmul(fmt, 37, k(16395), 1, 0);   /* two warps a row (bf16) */
         test_matmul(fmt, 130, k(1000), 7, 0);
         test_matmul(fmt, 77, k(515), 130, 1);
+        test_gemv_tokens(fmt, 37, k(1000), 2, EPI_NONE);     /* a verify step of 1 .. 8 drafts: rounds of GEMV_TOKENS */
+        test_gemv_tokens(fmt, 300, k(4099), 4, EPI_NONE);
+        test_gemv_tokens(fmt, 129, k(60), 5, EPI_RELU2);
+        test_gemv_tokens(fmt, 37, k(16395), 3, EPI_NONE);    /* two warps a row (bf16) */
+        test_gemv_tokens(fmt, 77, k(515), 9, EPI_RELU2);
+        test_gemv_tokens(fmt, 9001, k(304), 7, EPI_NONE);     /* more rows than a wave of blocks holds */
+        test_gemv_tokens(fmt, 37, 256, 6, EPI_GNORM, 4);      /* out_proj with the gated norm folded: groups of 64 */
+        test_gemv_tokens(fmt, 1000, 2048, 9, EPI_GNORM, 8);
     }
     test_matmul(DT_FP8, 40000, 900, 3, 0);    /* more rows than deq holds at once: a prompt's product in two passes */
     test_matmul(DT_FP8, 9001, 304, 1, 0);     /* more rows than a wave of blocks holds, not a multiple of QROWS */
     test_matmul(DT_NVFP4, 9001, 304, 1, 1);
     test_norms(1000, 3);
     test_norms(4099, 1);
-    test_mtp_in(DT_BF16, DT_BF16, 1000, 1, 0);
-    test_mtp_in(DT_BF16, DT_BF16, 1000, 1, 3);       /* a draft from the last row of a longer step */
-    test_mtp_in(DT_F32, DT_F32, 520, 5, 2);
-    test_mtp_in(DT_NVFP4, DT_FP8, 1024, 7, 0);
-    test_mtp_in(DT_FP8, DT_BF16, 4096, 3, 1);
-    test_mtp_in(DT_BF16, DT_NVFP4, 2048, 130, 4);    /* a prompt's MTP pass */
+    test_mtp_in(DT_BF16, DT_BF16, 1000, 1, 0, 1);
+    test_mtp_in(DT_BF16, DT_BF16, 1000, 1, 3, 1);       /* a draft from the last row of a longer step */
+    test_mtp_in(DT_F32, DT_F32, 520, 5, 2, 1);
+    test_mtp_in(DT_F32, DT_F32, 520, 5, 2, 9);          /* decoded: the several-token product */
+    test_mtp_in(DT_NVFP4, DT_FP8, 1024, 7, 0, 9);
+    test_mtp_in(DT_FP8, DT_BF16, 4096, 3, 1, 1);
+    test_mtp_in(DT_BF16, DT_NVFP4, 2048, 130, 4, 9);    /* a prompt's MTP pass */
     test_mamba(6, 10, 2, 16, {5, 1, 37});
     test_mamba(4, 6, 1, 8, {1, 2, 1});
     test_mamba(8, 64, 4, 128, {3, 1});
@@ -1243,6 +1426,14 @@ int main(int argc, char **argv) {
     test_attention<bf16>(16, 1, 128, 63, 64);       /* a group of 16: one full tile of heads; keys end a tile */
     test_attention<bf16>(20, 1, 96, 64, 2112);      /* a group of 20: a second tile of 4 heads; a key past a tile */
     test_attention<bf16>(40, 8, 128, 100000, 100032);   /* nemotron-nano-9b-v2's heads, deep in a long context */
+    test_attention_tokens<float>(4, 2, 20, 0, 3, 8);       /* a verify step from position 0 */
+    test_attention_tokens<float>(8, 2, 128, 300, 5, 308);
+    test_attention_tokens<float>(4, 1, 64, 2040, 9, 4096);
+    test_attention_tokens<bf16>(4, 1, 20, 6, 2, 16);
+    test_attention_tokens<bf16>(8, 2, 128, 2046, 4, 8192);
+    test_attention_tokens<bf16>(20, 1, 96, 60, 9, 2112);    /* a second tile of heads; keys across a tile */
+    test_attention_tokens<bf16>(40, 8, 128, 5000, 7, 8192);
+    test_attention_tokens<bf16>(2, 1, 256, 1000, 3, 3001);
     test_prompt_attention<bf16>(4, 1, 20, 0, 37);      /* the tiny-bf16 fixture's shape: head 20 padded to 32 */
     test_prompt_attention<bf16>(8, 8, 64, 0, 130);     /* GQA group 1: 64-row tiles of tokens, a partial last one */
     test_prompt_attention<bf16>(8, 2, 80, 100, 77);    /* group 4, head 80, a chunk starting mid-cache inside a key tile */
@@ -1285,6 +1476,15 @@ int main(int argc, char **argv) {
         test_moe_products(DT_NVFP4, fs, 8, 6, 1296, 592, 528, 80, 1);   /* two warps a row in the down product */
         test_moe_products(DT_NVFP4, fs, 8, 6, 1296, 592, 528, 80, 130);
     }
+    for (int fmt : {DT_F32, DT_BF16, DT_FP8}) {
+        test_moe_tokens(fmt, fmt, 12, 3, 20, 36, 40, 0, 4);
+        test_moe_tokens(fmt, fmt, 10, 4, 27, 19, 56, 24, 9);     /* latent; rounds of GEMV_TOKENS */
+        test_moe_tokens(fmt, fmt, 8, 6, 1302, 600, 520, 72, 3);  /* two warps a row in the down product */
+    }
+    test_moe_tokens(DT_NVFP4, DT_FP8, 12, 3, 32, 48, 64, 0, 5);
+    test_moe_tokens(DT_NVFP4, DT_BF16, 10, 4, 32, 16, 64, 32, 9);
+    test_moe_tokens(DT_NVFP4, DT_NVFP4, 8, 6, 1296, 592, 528, 80, 2);
+    test_moe_tokens(DT_NVFP4, DT_FP8, 512, 22, 1344, 2688, 4096, 1024, 4);   /* a rank of 2 of nemotron-3-super-120b-a12b */
     test_sampling(1000, 0);
     test_sampling(131072, 0);
     test_sampling(131072, 1);
