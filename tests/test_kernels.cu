@@ -561,7 +561,7 @@ static void test_keep(int heads, int hdim, int groups, int N, int T) {
     if (fold) expect_same("... the scan's sums of u^2, token by token", host_copy(d_gss, (size_t)T * nss), gss1);
     expect_same("... the live state after the step = after its last token", state(), after[T - 1]);
     std::vector<int> order(T);
-    for (int t = 0; t < T; t++) order[t] = (t + 1) % T;   /* T - 1 last: after others, it must copy */
+    for (int t = 0; t < T; t++) order[t] = t;   /* T - 1 last: after others, it must copy */
     std::shuffle(order.begin(), order.end() - 1, rng);
     int bad = 0;
     for (int t : order) {
@@ -1202,6 +1202,255 @@ static void test_sample_rows(int V, int rows, int n, float temp, float topp) {
     free_rank(&g);
 }
 
+/* ---- the backend end to end (gpu_setup, gpu_init: the real buffers, one rank) on a tiny hybrid model
+ * with an MTP block: blocks "M*-E", MTP sublayers "*E", the big matrices in fmt (drawn on the device),
+ * the embedding and lm_head bf16, driven as nemoh.c's layer loop drives a backend (tiny_forward,
+ * tiny_mtp). A speculative step of T tokens (r->keep) against T one-token steps: every logits row, x
+ * row and the Mamba state bit for bit; greedy be->sample of the T rows = each row's argmax;
+ * rewind(t) = the state after token t; the MTP pass over T tokens = T one-token MTP passes reading x
+ * rows 0 .. T - 1; and the captured graphs (r->graph): a replay = the eager step, a graph for each
+ * pass, an MTP step from row 2 runs eagerly and captures nothing. ---- */
+typedef struct {
+    Config c;
+    Shard s;
+    Weights w;
+    std::vector<std::vector<float>> host;   /* the fp32 vectors the weights point at */
+    std::vector<std::vector<Mat>> experts;  /* the expert matrices' views */
+} Tiny;
+
+static float *tiny_vec(Tiny &m, size_t n, float base, float spread) {
+    std::vector<float> v = rand_vec(n, spread);
+    for (auto &x : v) x += base;
+    m.host.push_back(std::move(v));
+    return m.host.back().data();
+}
+
+/* A synthetic [rows, cols] matrix in fmt, elements of about 1 / sqrt(cols) (upload_mat draws it). */
+static Mat tiny_mat(int fmt, int rows, int cols) {
+    float sc = fmt == DT_FP8 ? 0.05f / sqrtf((float)cols) : fmt == DT_NVFP4 ? 0.5f / sqrtf((float)cols) : 1.0f;
+    return Mat{NULL, fmt, rows, cols, (size_t)cols, NULL, 0, sc};
+}
+
+static void tiny_model(Tiny &m, int fmt) {
+    Config &c = m.c;
+    memset(&c, 0, sizeof c);
+    c.vocab = 1000, c.hidden = 320, c.n_layers = 4, c.n_mtp = 2, c.eps = 1e-5f;
+    memcpy(c.kind, "M*-E*E", 6);
+    c.n_heads = 4, c.n_kv = 2, c.head_dim = 32, c.mlp = 400;
+    c.m_heads = 8, c.m_hdim = 16, c.n_groups = 2, c.d_state = 16, c.d_conv = 4, c.conv_bias = 1, c.ctx = 64;
+    c.n_experts = 8, c.top_k = 2, c.n_group = 1, c.topk_group = 1, c.moe = 96, c.shared = 128, c.latent = 64, c.norm_topk = 1;
+    c.routed_scale = 2.5f;
+    int H = c.hidden, di = c.m_heads * c.m_hdim, gN = c.n_groups * c.d_state, conv = di + 2 * gN;
+    m.s = Shard{0, 1, c.m_heads, c.n_groups, di, conv, di + conv + c.m_heads, c.n_heads, c.n_kv, 0, 0, c.mlp, c.moe, c.shared, c.vocab};
+    Weights &w = m.w;
+    memset(&w, 0, sizeof w);
+    w.embed = tiny_mat(DT_BF16, c.vocab, H);
+    w.lm_head = tiny_mat(DT_BF16, c.vocab, H);
+    w.norm_f = tiny_vec(m, H, 1.0f, 0.1f);
+    w.enorm = tiny_vec(m, H, 1.0f, 0.1f);
+    w.hnorm = tiny_vec(m, H, 1.0f, 0.1f);
+    w.mtp_norm = tiny_vec(m, H, 1.0f, 0.1f);
+    w.eh_proj = tiny_mat(fmt, H, 2 * H);
+    for (int l = 0; l < n_all(&c); l++) {
+        Layer &L = w.layer[l];
+        L.kind = c.kind[l];
+        L.norm = tiny_vec(m, H, 1.0f, 0.1f);
+        if (L.kind == K_MAMBA) {
+            int rows[5] = {di, di, gN, gN, c.m_heads};
+            for (int k = 0; k < 5; k++) L.in_proj[k] = tiny_mat(fmt, rows[k], H);
+            L.conv_w = tiny_vec(m, (size_t)conv * 4, 0.0f, 0.5f);
+            L.conv_b = tiny_vec(m, conv, 0.0f, 0.2f);
+            L.A = tiny_vec(m, c.m_heads, -4.5f, 3.5f);
+            L.D = tiny_vec(m, c.m_heads, 0.0f, 1.0f);
+            L.dt_bias = tiny_vec(m, c.m_heads, -2.0f, 1.0f);
+            L.gnorm = tiny_vec(m, di, 1.0f, 0.1f);
+            L.out = tiny_mat(fmt, H, di);
+        } else if (L.kind == K_ATTN) {
+            L.wq = tiny_mat(fmt, c.n_heads * c.head_dim, H);
+            L.wk = tiny_mat(fmt, c.n_kv * c.head_dim, H);
+            L.wv = tiny_mat(fmt, c.n_kv * c.head_dim, H);
+            L.wo = tiny_mat(fmt, H, c.n_heads * c.head_dim);
+        } else if (L.kind == K_MLP) {
+            L.up = tiny_mat(fmt, c.mlp, H);
+            L.down = tiny_mat(fmt, H, c.mlp);
+        } else {
+            L.gate = tiny_vec(m, (size_t)c.n_experts * H, 0.0f, 3.0f / sqrtf((float)H));
+            L.gate_bias = tiny_vec(m, c.n_experts, 0.0f, 0.05f);
+            m.experts.push_back(std::vector<Mat>(c.n_experts, tiny_mat(fmt, c.moe, c.latent)));
+            L.eup = m.experts.back().data();
+            m.experts.push_back(std::vector<Mat>(c.n_experts, tiny_mat(fmt, c.latent, c.moe)));
+            L.edown = m.experts.back().data();
+            L.sup = tiny_mat(fmt, c.shared, H);
+            L.sdown = tiny_mat(fmt, H, c.shared);
+            L.lat_in = tiny_mat(fmt, c.latent, H);
+            L.lat_out = tiny_mat(fmt, H, c.latent);
+        }
+    }
+}
+
+/* Layer l's entry norm and mixer, as nemoh.c's layer loop runs them (fused all-reduce at the entry). */
+static void tiny_layer(Rank *r, int l, int first, int T, int pos) {
+    const Backend *be = &cuda_backend;
+    be->norm(r, l, first ? NORM_PLAIN : NORM_FUSED, T);
+    char k = r->c->kind[l];
+    if (k == K_MAMBA) be->mamba(r, l, T, pos);
+    else if (k == K_ATTN) be->attention(r, l, T, pos);
+    else if (k == K_MLP) be->mlp(r, l, T);
+    else be->moe(r, l, T);
+}
+
+static void tiny_forward(Rank *r, const int *tok, int T, int pos, int all) {
+    const Backend *be = &cuda_backend;
+    r->pass = PASS_MAIN;
+    if (be->replay(r, tok, T, pos)) return;
+    be->begin(r, tok, T, pos);
+    be->embed(r, tok, T);
+    for (int l = 0; l < r->c->n_layers; l++) tiny_layer(r, l, l == 0, T, pos);
+    be->allreduce(r, T);
+    be->norm(r, NORM_F, NORM_ADD, T);
+    be->logits(r, T, all);
+    be->end(r, T);
+}
+
+/* The MTP block over T tokens at pos, its hidden states x rows row .. row + T - 1; a replay only from row 0. */
+static void tiny_mtp(Rank *r, const int *tok, int T, int row, int pos, int all) {
+    const Backend *be = &cuda_backend;
+    r->pass = PASS_MTP;
+    if (!(row == 0 && be->replay(r, tok, T, pos))) {
+        be->begin(r, tok, T, pos);
+        be->mtp_in(r, tok, T, row);
+        for (int l = r->c->n_layers; l < n_all(r->c); l++) tiny_layer(r, l, l == r->c->n_layers, T, pos);
+        be->allreduce(r, T);
+        be->norm(r, NORM_MTP_F, NORM_ADD, T);
+        be->logits(r, T, all);
+        be->end(r, T);
+    }
+    r->pass = PASS_MAIN;
+}
+
+static void test_engine(int fmt, int spec, int T) {
+    Tiny m;
+    tiny_model(m, fmt);
+    const Backend *be = &cuda_backend;
+    int t_max = 16, V = m.c.vocab, H = m.c.hidden, P = 13;
+    Rank r;
+    memset(&r, 0, sizeof r);
+    r.c = &m.c;
+    r.s = m.s;
+    r.w = m.w;
+    r.be = be;
+    r.sh = be->setup(&m.c, 1, t_max, t_max);
+    r.t_max = t_max;
+    r.ctx = m.c.ctx;
+    r.fuse = 1;
+    r.spec = spec;
+    be->init(&r);
+    GpuRank *g = gpu_rank(&r);
+    std::vector<int> prompt(P), step(T), drafts(T), pm(P);
+    for (auto *v : {&prompt, &step, &drafts, &pm}) for (auto &t : *v) t = (int)(rng() % V);
+    auto logits = [&](int rows) { const float *l = be->host_logits(&r, rows); return std::vector<float>(l, l + (size_t)rows * V); };
+    auto xrows = [&](int rows) { return host_copy(g->x, (size_t)rows * H); };
+    auto state = [&]() {   /* the Mamba layers' conv windows and SSM states, without padding */
+        std::vector<float> all = host_copy((float *)g->state, g->snap_bytes / sizeof(float)), v;
+        size_t nc = (size_t)r.s.conv * 3, ns = (size_t)r.s.d_inner * m.c.d_state, cb = conv_state_bytes(&r) / 4, mb = mamba_state_bytes(&r) / 4;
+        for (size_t at = 0; at < all.size(); at += mb) {
+            v.insert(v.end(), all.begin() + at, all.begin() + at + nc);
+            v.insert(v.end(), all.begin() + at + cb, all.begin() + at + cb + ns);
+        }
+        return v;
+    };
+    auto cat = [](const std::vector<std::vector<float>> &v) {
+        std::vector<float> o;
+        for (auto &x : v) o.insert(o.end(), x.begin(), x.end());
+        return o;
+    };
+    int finite = 1;
+    auto fin = [&](const std::vector<float> &v) { for (float x : v) finite &= std::isfinite(x); return v; };
+    /* the prompt (as a prompt runs: more tokens than a decoded step), and the MTP block over it */
+    tiny_forward(&r, prompt.data(), P, 0, 0);
+    std::vector<float> l_prompt = fin(logits(1));
+    tiny_mtp(&r, pm.data(), P, 0, 0, 0);
+    fin(logits(1));
+    be->snapshot(&r, 0, 1);
+    std::vector<std::vector<float>> l1(T), x1(T), s1(T);
+    for (int t = 0; t < T; t++) {
+        tiny_forward(&r, &step[t], 1, P + t, 1);
+        l1[t] = fin(logits(1));
+        x1[t] = xrows(1);
+        s1[t] = state();
+    }
+    be->snapshot(&r, 0, 0);
+    r.keep = 1;
+    tiny_forward(&r, step.data(), T, P, 1);
+    r.keep = 0;
+    char what[160];
+    snprintf(what, sizeof what, "engine %s, spec %d: a step of %d tokens with keep: logits = %d one-token steps'", fmt_name(fmt), spec, T, T);
+    expect_same(what, logits(T), cat(l1));
+    std::vector<float> x_step = xrows(T);
+    expect_same("... final-norm rows (the MTP block's h) = the one-token steps'", x_step, cat(x1));
+    expect_same("... Mamba state after it = after the last one-token step", state(), s1[T - 1]);
+    std::vector<int> got(T);
+    be->sample(&r, T, 0.0f, 1.0f, 7, 0, got.data());
+    int bad = 0;
+    for (int t = 0; t < T; t++) bad += got[t] != (int)(std::max_element(l1[t].begin(), l1[t].end()) - l1[t].begin());
+    expect_int("... greedy sample of its rows: rows unlike their argmax", bad, 0);
+    std::vector<int> order(T);
+    for (int t = 0; t < T; t++) order[t] = t;   /* T - 1 last: after others, it must copy */
+    std::shuffle(order.begin(), order.end() - 1, rng);
+    bad = 0;
+    for (int t : order) {
+        be->rewind(&r, t);
+        std::vector<float> st = state();
+        bad += memcmp(st.data(), s1[t].data(), st.size() * sizeof(float)) != 0;
+    }
+    snprintf(what, sizeof what, "... rewind(t), t shuffled, then %d: states unlike token t's", T - 1);
+    expect_int(what, bad, 0);
+    /* the MTP block over the step's T positions from x rows 0.., and one position at a time from row t */
+    tiny_mtp(&r, drafts.data(), T, 0, P, 1);
+    std::vector<float> lm = fin(logits(T));
+    std::vector<std::vector<float>> lm1(T);
+    for (int t = 0; t < T; t++) {
+        CUDA_CHECK(cudaMemcpy(g->x, x_step.data(), x_step.size() * sizeof(float), cudaMemcpyHostToDevice));
+        tiny_mtp(&r, &drafts[t], 1, t, P + t, 1);
+        lm1[t] = logits(1);
+    }
+    expect_same("... the MTP block over T tokens = one token at a time, row t", lm, cat(lm1));
+    /* graphs: the main step eager, captured, replayed; the MTP step from row 2 (eager), row 0 captured, replayed */
+    int next = (int)(rng() % V), nd = (int)(rng() % V);
+    be->snapshot(&r, 1, 1);
+    auto main_step = [&](int graph) {
+        r.graph = graph;
+        be->snapshot(&r, 1, 0);
+        tiny_forward(&r, &next, 1, P + T, 1);
+        return fin(logits(1));
+    };
+    auto mtp_step = [&](int graph, int row) {
+        r.graph = graph;
+        CUDA_CHECK(cudaMemcpy(g->x, x_step.data(), x_step.size() * sizeof(float), cudaMemcpyHostToDevice));
+        tiny_mtp(&r, &nd, 1, row, P + T, 1);
+        return fin(logits(1));
+    };
+    std::vector<float> e0 = main_step(0), e1 = main_step(1);
+    expect_int("... graphs: the main step captured", g->captured[PASS_MAIN] && !g->captured[PASS_MTP], 1);
+    std::vector<float> e2 = main_step(1);
+    expect_same("... the captured main step = the eager one", e1, e0);
+    expect_same("... its replay = the eager one", e2, e0);
+    std::vector<float> m0 = mtp_step(0, 0);
+    if (T > 2) {
+        mtp_step(1, 2);
+        expect_int("... an MTP step from row 2 captures nothing", g->captured[PASS_MTP], 0);
+    }
+    std::vector<float> m1 = mtp_step(1, 0);
+    expect_int("... the MTP step from row 0 captured", g->captured[PASS_MTP], 1);
+    std::vector<float> m2 = mtp_step(1, 0);
+    expect_same("... the captured MTP step = the eager one", m1, m0);
+    expect_same("... its replay = the eager one, not the main graph", m2, m0);
+    expect_same("... the main step's replay after it = the eager one", main_step(1), e0);
+    expect_int("... every logit finite", finite, 1);
+    be->free(&r);
+    be->teardown(r.sh);
+}
+
 /* Microseconds per call of run() on stream s: three calls to warm up, then the mean of reps. */
 template <typename F> static float time_us(cudaStream_t s, int reps, F run) {
     cudaEvent_t e0, e1;
@@ -1485,6 +1734,10 @@ int main(int argc, char **argv) {
     test_moe_tokens(DT_NVFP4, DT_BF16, 10, 4, 32, 16, 64, 32, 9);
     test_moe_tokens(DT_NVFP4, DT_NVFP4, 8, 6, 1296, 592, 528, 80, 2);
     test_moe_tokens(DT_NVFP4, DT_FP8, 512, 22, 1344, 2688, 4096, 1024, 4);   /* a rank of 2 of nemotron-3-super-120b-a12b */
+    for (int fmt : {DT_BF16, DT_F32, DT_FP8, DT_NVFP4}) test_engine(fmt, 4, 5);
+    test_engine(DT_BF16, 8, 9);     /* rounds of GEMV_TOKENS */
+    test_engine(DT_BF16, 3, 2);     /* fewer tokens than the step may verify */
+    test_engine(DT_NVFP4, 1, 2);
     test_sampling(1000, 0);
     test_sampling(131072, 0);
     test_sampling(131072, 1);
