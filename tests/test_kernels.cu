@@ -1565,10 +1565,38 @@ static void time_gemv(int rows, int cols, int fmt = DT_BF16) {
     free_rank(&g);
 }
 
+/* Not a check: a few tokens' product at a model's shape, T = 2, 4, 8, 9: decoded (the several-token
+ * kernel, one launch; what a verify step runs), T one-token launches, and the prompt path (cuBLAS
+ * on bf16 activations; what such a step would run without drafting). */
+static void time_gemv_tokens(int rows, int cols, int fmt = DT_BF16) {
+    Mat m = {NULL, fmt, rows, cols, (size_t)cols, NULL, 0, 1e-3f};
+    GMat W = upload_mat(&m, 1);
+    GpuRank g = make_rank((size_t)DECODE_T * pad8(cols));
+    g.act_w = pad8(cols);
+    float *dx = dev_copy(rand_vec((size_t)DECODE_T * cols)), *dout = dev_copy(std::vector<float>((size_t)DECODE_T * rows));
+    printf("# gemv %s %dx%d, T tokens: decoded / one by one / cuBLAS, us:", fmt_name(fmt), rows, cols);
+    for (int T : {2, 4, 8, 9}) {
+        g.dec_t = T;
+        float dec = time_us(g.stream, 50, [&] { matmul(&g, dout, rows, dx, cols, T, &W, 0, nullptr, nullptr); });
+        float one = time_us(g.stream, 20, [&] {
+            for (int t = 0; t < T; t++) matmul(&g, dout + (size_t)t * rows, rows, dx + (size_t)t * cols, cols, 1, &W, 0, nullptr, nullptr);
+        });
+        g.dec_t = 1;
+        float blas = time_us(g.stream, 50, [&] { matmul(&g, dout, rows, dx, cols, T, &W, 0, nullptr, nullptr); });
+        printf("  T=%d %.1f / %.1f / %.1f", T, dec, one, blas);
+    }
+    printf("\n");
+    free_mat(&W);
+    CUDA_CHECK(cudaFree(dx));
+    CUDA_CHECK(cudaFree(dout));
+    free_rank(&g);
+}
+
 /* Not a check: one decode step of a MoE layer at a model's shape (router, up, down; random weights
  * drawn on the device), and the bandwidth over the bytes it must read: the router, the chosen
- * experts' rows, the shared expert, the latent projections. */
-static void time_moe(const char *name, int E, int K, int m, int S, int hidden, int lat, int fe = DT_BF16, int fs = DT_BF16) {
+ * experts' rows, the shared expert, the latent projections. With T > 1: a verify step's T tokens
+ * decoded in one step, and T one-token steps. */
+static void time_moe(const char *name, int E, int K, int m, int S, int hidden, int lat, int fe = DT_BF16, int fs = DT_BF16, int T = 1) {
     int d = lat ? lat : hidden;
     MoeShape ms = {E, K, m, S, hidden, lat, d};
     MoeRoute rt = {E, K, 1, 1, 1, 2.5f};
@@ -1585,17 +1613,32 @@ static void time_moe(const char *name, int E, int K, int m, int S, int hidden, i
     L.gate = dev_copy(rand_vec((size_t)E * hidden, 3.0f / sqrtf((float)hidden)));
     L.gate_bias = dev_copy(rand_vec(E, 0.05f));
     GpuRank g = make_rank(8);
-    g.x = dev_copy(rand_vec(hidden));
-    moe_alloc(&g, &ms, 1);
-    float *out = dev_copy(std::vector<float>(hidden));
+    g.x = dev_copy(rand_vec((size_t)T * hidden));
+    g.dec_t = T;
+    moe_alloc(&g, &ms, T);
+    float *out = dev_copy(std::vector<float>((size_t)T * hidden));
     float us = time_us(g.stream, 50, [&] {
-        moe_choose(&g, &L, &ms, rt, 1);
-        moe_experts(&g, &L, &ms, out, 1, NULL);
+        moe_choose(&g, &L, &ms, rt, T);
+        moe_experts(&g, &L, &ms, out, T, NULL);
     });
+    if (T > 1) {
+        float *x0 = g.x;
+        float one = time_us(g.stream, 20, [&] {
+            for (int t = 0; t < T; t++) {
+                g.x = x0 + (size_t)t * hidden;
+                moe_choose(&g, &L, &ms, rt, 1);
+                moe_experts(&g, &L, &ms, out + (size_t)t * hidden, 1, NULL);
+            }
+        });
+        g.x = x0;
+        printf("# moe decode layer %s %s/%s, %d tokens: %.1f us in one step, %.1f us one by one\n", name, fmt_name(fe), fmt_name(fs),
+               T, us, one);
+    }
     auto eb = [](int fmt) { return 16.0 / fmt_per(fmt) + (fmt == DT_NVFP4 ? 1.0 / 16 : 0); };   /* bytes an element */
     double bytes = (double)E * hidden * 4 + 2.0 * K * m * d * eb(fe) + 2.0 * S * hidden * eb(fs) + 2.0 * lat * hidden * eb(fs);
-    printf("# moe decode layer %s %s/%s (%d experts top %d, %d rows, shared %d, hidden %d, latent %d): %.1f us, %.0f GB/s of %.1f MB\n",
-           name, fmt_name(fe), fmt_name(fs), E, K, m, S, hidden, lat, us, bytes / (us * 1e3), bytes / 1e6);
+    if (T == 1)
+        printf("# moe decode layer %s %s/%s (%d experts top %d, %d rows, shared %d, hidden %d, latent %d): %.1f us, %.0f GB/s of %.1f MB\n",
+               name, fmt_name(fe), fmt_name(fs), E, K, m, S, hidden, lat, us, bytes / (us * 1e3), bytes / 1e6);
     for (GMat *p : {&L.eup, &L.edown, &L.sup, &L.sdown, &L.lat_in, &L.lat_out}) free_mat(p);
     for (void *p : {(void *)L.gate, (void *)L.gate_bias, (void *)out, (void *)g.x}) CUDA_CHECK(cudaFree(p));
     moe_free(&g);
@@ -1758,6 +1801,15 @@ int main(int argc, char **argv) {
         time_gemv(10304, 2688, fmt);   /* nemotron-3-nano-30b-a3b: in_proj */
     }
     time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0);
+    time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0, DT_BF16, DT_BF16, 4);
+    time_moe("nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 4096, 1024, DT_NVFP4, DT_FP8, 4);
+    time_moe("nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 4096, 1024, DT_NVFP4, DT_FP8, 8);
+    for (int fmt : {DT_BF16, DT_FP8, DT_NVFP4}) {
+        time_gemv_tokens(18560, 4096, fmt);   /* nemotron-h-8b: in_proj */
+        time_gemv_tokens(4096, 21504, fmt);   /* down */
+    }
+    time_gemv_tokens(131072, 4096);           /* lm_head */
+    time_gemv_tokens(4096, 8192);             /* nemotron-3-super's MTP eh_proj */
     time_moe("nemotron-3-nano-30b-a3b, a rank of 2", 128, 6, 928, 1856, 2688, 0);
     time_moe("nemotron-3-super-120b-a12b, a rank of 2", 512, 22, 1344, 2688, 4096, 1024);
     time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0, DT_FP8, DT_FP8);
