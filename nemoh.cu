@@ -2262,8 +2262,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
         for (int t0 = 0; t0 < T; t0 += NT) {
             int nt = min(NT, T - t0);
             float acc[NT][QROWS] = {}, mine[NT] = {};
-            for (int t = 0; row0 < rows && t < nt; t++)   /* the routed segments, token by token */
-                for (int j = 0; j < md.k; j++) {
+            for (int t = 0; row0 < rows && t < nt; t++)   /* the routed segments, token by token (one token: all) */
+                for (int j = 0; j < (NT == 1 ? n : md.k); j++) {
                     MoeSeg sg = moe_seg(t0 + t, j);
                     float part_acc[1][QROWS] = {};
                     rows_of(sg, w, bs, sc);
@@ -2271,7 +2271,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
 #pragma unroll
                     for (int q = 0; q < QROWS; q++) acc[t][q] += part_acc[0][q] * sc[q];
                 }
-            for (int j = md.k; row0 < rows && j < n; j++) {   /* the fixed ones, for every token of the round */
+            for (int j = md.k; NT > 1 && row0 < rows && j < n; j++) {   /* the fixed ones, for every token of the round */
                 MoeSeg sg = moe_seg(t0, j);
                 float part_acc[NT][QROWS] = {};
                 rows_of(sg, w, bs, sc);
@@ -2306,8 +2306,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
             int nt = min(NT, T - t0);
             float acc[NT] = {};
             if (row < rows) {
-                for (int t = 0; t < nt; t++)   /* the routed segments, token by token */
-                    for (int j = 0; j < md.k; j++) {
+                for (int t = 0; t < nt; t++)   /* the routed segments, token by token (one token: all) */
+                    for (int j = 0; j < (NT == 1 ? n : md.k); j++) {
                         if (j + 1 < n) ahead(t0 + t, j);
                         MoeSeg sg = moe_seg(t0 + t, j);
                         MoeRow s = seg_row(sg);
@@ -2315,7 +2315,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
                         row_dot<F, 1>(d, s.w, s.bs, sg.x, 0, 1, sg.W->cols, first, st);
                         acc[t] += d[0] * s.scale;
                     }
-                for (int j = md.k; j < n; j++) {   /* the fixed ones, for every token of the round */
+                for (int j = md.k; NT > 1 && j < n; j++) {   /* the fixed ones, for every token of the round */
                     if (j + 1 < n) ahead(t0, j);
                     MoeSeg sg = moe_seg(t0, j);
                     MoeRow s = seg_row(sg);

@@ -1481,6 +1481,12 @@ static void time_scan(int heads, int hdim, int groups, int N, int T) {
     float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, sa, N); });
     printf("# selective scan %d heads x %d, N %d, groups %d, %d step%s: %.1f us", heads, hdim, N, groups, T, T > 1 ? "s" : "", us);
     if (T > 1) printf(", chunked SSD %.1f us", time_us(0, 5, [&] { ssd_scan(0, sa, N); }));
+    float *d_gw = dev_copy(rand_vec(di)), *d_gss = dev_copy(std::vector<float>((size_t)T * heads * scan_blocks(hdim, N)));
+    sa.gw = d_gw;
+    sa.gss = d_gss;   /* gated: as decode (SCAN_GATE) and a decoded step of a few tokens (SCAN_EACH) run it */
+    if (T <= DECODE_T) printf(", gated %.1f us", time_us(0, 200, [&] { ssm_scan(0, sa, N); }));
+    CUDA_CHECK(cudaFree(d_gw));
+    CUDA_CHECK(cudaFree(d_gss));
     printf("\n");
     for (float *p : {d_proj, d_xbc, d_y, d_ssm, d_A, d_D, d_dtb}) CUDA_CHECK(cudaFree(p));
 }
@@ -1823,6 +1829,7 @@ int main(int argc, char **argv) {
     time_prompt_attention(32, 8, 128, 0, 2048);       /* nemotron-h-8b, a 2048-token prompt */
     time_prompt_attention(40, 8, 128, 30720, 2048);   /* nemotron-nano-9b-v2, the last chunk of 32768 */
     time_scan(128, 64, 8, 128, 1);
+    time_scan(128, 64, 8, 128, 4);      /* a verify step of 3 drafts */
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }
