@@ -4,8 +4,10 @@
  * activations, residual and SSM state. Matrix-vector
  * products for one token are our own bandwidth-bound kernels; for a prompt chunk they go through cuBLAS,
  * and with a bf16 model its attention and scan run on the tensor cores too (flash attention, the
- * chunked SSD scan). Ranks talk through NCCL; the all-reduce a layer owes is fused into the next
- * layer's entry with NCCL 2.28's device API (symmetric window + LSA barrier).
+ * chunked SSD scan). A speculative step's few tokens (multi-token prediction) run as decode does, each
+ * token's rows what a one-token step computes, bit for bit (decoded). Ranks talk through NCCL; the
+ * all-reduce a layer owes is fused into the next layer's entry with NCCL 2.28's device API (symmetric
+ * window + LSA barrier).
  *
  * Sections: error checks, device structs, kernels (elementwise and norms, the fused all-reduce, the
  * speed devices and decode-only fusions, the matrix-vector product, Mamba2, the prompt's SSD scan,
