@@ -4,8 +4,10 @@
  * activations, residual and SSM state. Matrix-vector
  * products for one token are our own bandwidth-bound kernels; for a prompt chunk they go through cuBLAS,
  * and with a bf16 model its attention and scan run on the tensor cores too (flash attention, the
- * chunked SSD scan). Ranks talk through NCCL; the all-reduce a layer owes is fused into the next
- * layer's entry with NCCL 2.28's device API (symmetric window + LSA barrier).
+ * chunked SSD scan). A speculative step's few tokens (multi-token prediction) run as decode does, each
+ * token's rows what a one-token step computes, bit for bit (decoded). Ranks talk through NCCL; the
+ * all-reduce a layer owes is fused into the next layer's entry with NCCL 2.28's device API (symmetric
+ * window + LSA barrier).
  *
  * Sections: error checks, device structs, kernels (elementwise and norms, the fused all-reduce, the
  * speed devices and decode-only fusions, the matrix-vector product, Mamba2, the prompt's SSD scan,
@@ -120,8 +122,8 @@ typedef struct {
     GMat edown;                 /* [n_experts * d, moe] every expert's down columns, expert e's from row e * d */
     GMat sup, sdown;            /* [shared, hidden], [hidden, shared] the shared expert's rows and columns */
     GMat lat_in, lat_out;       /* [latent, hidden] fc1, [hidden, latent] fc2 (latent MoE; rows 0 without) */
-    float *conv_st;             /* [conv, 3] last conv inputs, oldest first */
-    float *ssm;                 /* [m_heads, m_hdim, d_state] fp32 state */
+    float *conv_st;             /* [conv, 3] last conv inputs, oldest first (in GpuRank.state) */
+    float *ssm;                 /* [m_heads, m_hdim, d_state] fp32 state (in GpuRank.state) */
     void *k, *v;                /* [ctx, kv * head_dim] cache: bf16 if lowp(qkv), else fp32 */
 } GLayer;
 
@@ -146,10 +148,14 @@ typedef struct {
     cudaStream_t stream;        /* everything of this rank runs in order on it */
     cublasHandle_t blas;        /* prefill matrix products */
     void *blas_ws;              /* cuBLAS workspace */
-    GLayer L[MAX_LAYERS];       /* [n_layers] weights and state */
+    GLayer L[MAX_LAYERS];       /* [n_layers + n_mtp] weights and state: the blocks, then the MTP block's sublayers */
     GMat embed;                 /* [vocab, hidden] */
     GMat lm_head;               /* [vocab / n, hidden] */
     float *norm_f;              /* [hidden] */
+    float *enorm, *hnorm;       /* [hidden] MTP: RMSNorm weights on a token's embedding, on a hidden state */
+    GMat eh_proj;               /* [hidden, 2 * hidden] MTP: the block's input projection, replicated */
+    float *mtp_norm;            /* [hidden] MTP: the block's final norm */
+    float *eh;                  /* [t_max, 2 * hidden] MTP: [enorm(embed[tok]) ; hnorm(h)], eh_proj's input */
     float *res;                 /* [t_max, hidden] residual stream */
     float *x;                   /* [t_max, hidden] normed mixer input */
     bf16 *x16;                  /* [t_max, hidden] x in bf16, written with it for a prompt: its bf16 products' input */
@@ -168,16 +174,17 @@ typedef struct {
     float *y;                   /* [t_max, y_w] mixer output before its out projection */
     bf16 *act16;                /* [t_max, act_w] bf16 copy of a GEMM input */
     bf16 *deq;                  /* [DEQ_BYTES / 2] some rows of a quantized matrix, dequantized for a prompt's product */
-    float *part;                /* [q, splits, head_dim + 2] decode attention partials */
-    float *gss;                 /* [m_heads, scan blocks a head] decode: each scan block's sum of u^2 */
+    float *part;                /* [dec_t, q, splits, head_dim + 2] decode attention partials */
+    float *gss;                 /* [dec_t, m_heads, scan blocks a head] decode: each scan block's sum of u^2 */
     float *logits_local;        /* [logit_rows, vocab / n] */
     float *logits;              /* [logit_rows, vocab] gathered (aliases logits_local at n = 1) */
     float *host_logits;         /* [logit_rows, vocab] pinned copy for --dump-logits */
-    float *probs;               /* [vocab] sampling scratch */
+    float *probs;               /* [sample_rows, vocab] sampling scratch */
+    int sample_rows;            /* most logits rows one sample call draws from: min(logit_rows, spec + 1) */
     int *tok;                   /* [t_max] token ids of this step */
     int *pos;                   /* [1] position of the step's first token */
-    int *sampled;               /* [1] the sampled token */
-    int *host_io;               /* [t_max + 2] pinned staging: tokens, position, sampled */
+    int *sampled;               /* [sample_rows] the sampled tokens */
+    int *host_io;               /* [max(t_max, sample_rows) + 2] pinned staging: tokens, position, sampled */
     int *moe_idx;               /* [t_max, top_k] chosen experts of each token, best first */
     float *moe_w;               /* [t_max, top_k] their weights */
     float *moe_logits;          /* [t_max, n_experts] router logits */
@@ -186,21 +193,37 @@ typedef struct {
     int *moe_tok, *moe_row;     /* [t_max * top_k] a row's token; a pair's row */
     int *host_off;              /* [n_experts + 1] pinned copy of moe_off */
     void *moe_act;              /* [t_max * top_k, moe_lda] experts' input rows, bf16 or fp32 */
-    float *moe_h;               /* [t_max * top_k, moe] up outputs (decode: [top_k * pad8(moe) + shared]) */
+    float *moe_h;               /* [t_max * top_k, moe] up outputs (decoded: [T, top_k * pad8(moe) + shared]) */
     float *moe_y;               /* [t_max * top_k, d] routed outputs, a row a pair */
     float *moe_z, *moe_ylat;    /* [t_max, latent] fc1 output; weighted routed sum before fc2 */
     int moe_lda;                /* row stride of moe_act: max(d, moe) rounded up to 8 */
     int rows;                   /* logits rows the last step wrote */
     int proj_w, y_w, act_w;     /* columns of proj, y (proj_width, y_width) and act16 (the widest input) */
     int splits;                 /* decode attention splits a head (attn_splits) */
+    int dec_t;                  /* most tokens a forward runs as decode does (decoded): 1, or while drafting
+                                   min(spec + 1, DECODE_T) */
     int gemv_slots;             /* gemv_kernel blocks the GPU holds at once (per SM x SMs) */
-    cudaGraphExec_t graph;      /* the captured single-token step */
-    int capturing, captured;
-    char *snap;                 /* [SNAPSHOT_SLOTS, snap_bytes] saved conv windows + SSM states (--chat) */
-    size_t snap_bytes;          /* bytes of one snapshot: every Mamba layer's conv_st then ssm */
+    cudaGraphExec_t graph[2];   /* [PASS_MAIN, PASS_MTP] the captured single-token step of each forward */
+    int captured[2];            /* [PASS_MAIN, PASS_MTP] graph[pass] holds one */
+    int capturing;              /* the stream is capturing this forward (graph[r->pass]) */
+    char *state;                /* [snap_bytes] every Mamba layer's conv_st then ssm (mamba_state_bytes a layer) */
+    size_t snap_bytes;          /* bytes of state */
+    char *snap;                 /* [SNAPSHOT_SLOTS, snap_bytes] saved copies of state (--chat) */
+    char *kept;                 /* [spec + 1, snap_bytes] state after each token of a forward run with r->keep */
+    int kept_n;                 /* tokens of the last forward run with r->keep: rewind's slots (0: none valid) */
+    int kept_live;              /* the slot state equals (rewind copies nothing to it) */
 } GpuRank;
 
 enum { FUSED_BLOCKS = 1024, NORM_THREADS = 1024, NORM_PER = 8 };
+
+/* Most tokens a forward runs as decode does while drafting (r->spec > 0), each token's rows computed as
+ * a one-token step computes them, bit for bit: a speculative step verifies up to spec + 1 tokens, and so
+ * its greedy choices are plain decoding's. More tokens run as a prompt does. */
+enum { DECODE_T = 9 };
+
+/* Whether a forward of T tokens runs as decode does (else as a prompt: cuBLAS, the chunked scan, flash
+ * attention). */
+static int decoded(const GpuRank *g, int T) { return T == 1 || T <= g->dec_t; }
 
 /* ------------------------------------------------------------------------------------------------
  * Kernels: the stored formats, decoded (Mat in nemoh.h defines them; the host's mat_at is the reference)
@@ -374,6 +397,24 @@ __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, bf16 *x
     norm_store(x, x16, r, add != NULL, blockIdx.x, v, ss, wv, H, eps);
 }
 
+/* The MTP block's input before its projection, block (t, half) (x: the rows the last forward's final
+ * norm left, from the one the step reads):
+ *   half 0: eh[t][0, H) = rmsnorm(embed[tok[t]]) * enorm;  half 1: eh[t][H, 2H) = rmsnorm(x[t]) * hnorm */
+__global__ void __launch_bounds__(NORM_THREADS) mtp_in_kernel(float *eh, const GMat emb, const int *tok, const float *x,
+                                                             const float *enorm, const float *hnorm, int H, float eps) {
+    int t = blockIdx.x, half = blockIdx.y;
+    float wv[NORM_PER], v[NORM_PER], ss = 0;
+    norm_weight(wv, half ? hnorm : enorm, H);
+    pdl_wait();
+#pragma unroll
+    for (int k = 0; k < NORM_PER; k++) {
+        int i = threadIdx.x + k * NORM_THREADS;
+        v[k] = i >= H ? 0.0f : half ? x[(size_t)t * H + i] : mat_elem(emb, tok[t], i);
+        ss += v[k] * v[k];
+    }
+    norm_store(eh + ((size_t)t * 2 + half) * H, NULL, NULL, 0, 0, v, ss, wv, H, eps);
+}
+
 /* The fused all-reduce + residual add + RMSNorm, at a layer's entry:
  *   res[t] += sum over ranks r (in rank order) of pend_r[t];  x[t] = rmsnorm(res[t]) * w
  * One LSA barrier at entry: every rank's partial sums (written by its previous kernels) are complete
@@ -526,9 +567,10 @@ static size_t warm_bytes(const GMat *W) {
  * group scale, mean(u^2) = (sum of ss[g * parts .. (g + 1) * parts)) / gsize from the scan's sums. */
 enum { EPI_NONE, EPI_RELU2, EPI_GNORM, GNORM_PARTS = 512 /* most partial sums EPI_GNORM takes */ };
 typedef struct {
-    const float *ss;            /* [groups, parts] partial sums of u^2 */
+    const float *ss;            /* [T, groups, parts] partial sums of u^2 */
     int parts, gsize;           /* partial sums and channels per group */
     float eps;
+    size_t step;                /* floats between two tokens' partial sums */
 } GroupScale;
 
 /* The scan's side of the fold, for one output: u = y * gate (gate = silu(z)); uu += u^2; y' = u * w. */
@@ -597,18 +639,23 @@ __device__ __forceinline__ float row_tail(const char *row, const uint8_t *bs, co
     return acc;
 }
 
-/* This lane's part of row . x over `cols` elements of format FMT (before the row's scale), element k
- * weighed by sc(k): its 16-byte pieces c, c + st, ..., v holding the first four (row_load). Whole
- * fours: the next four go out before this four's math; the last, partial four too, so none of its
- * pieces waits alone (a row of 2688 bf16 is 10.5 pieces a lane). Then the elements past the last
- * whole piece. row and x are 16-byte aligned. */
-template <int FMT, typename Scale>
-__device__ __forceinline__ float row_dot(const char *row, const uint8_t *bs, const float *x, int cols, int c, int st, Piece (&v)[4],
-                                         Scale sc) {
+/* Several tokens at once (decode of a few tokens: a speculative step's verify): a lane's pieces of a
+ * row, once loaded, are dotted with NT rows of x (token t's at x + t * ldx; the first nt of them, nt <=
+ * NT), each in exactly the order one token's product takes, so token t's result is the one-token
+ * kernel's, bit for bit. At NT = 1 these are the one-token forms. */
+
+/* This lane's part of row . x_t over `cols` elements of format FMT (before the row's scale), element k
+ * of token t weighed by sc(t, k), into acc[t]: its 16-byte pieces c, c + st, ..., v holding the first
+ * four (row_load). Whole fours: the next four go out before this four's math; the last, partial four
+ * too, so none of its pieces waits alone (a row of 2688 bf16 is 10.5 pieces a lane). Then the elements
+ * past the last whole piece. row and x are 16-byte aligned. */
+template <int FMT, int NT, typename Scale>
+__device__ __forceinline__ void row_dot(float (&acc)[NT], const char *row, const uint8_t *bs, const float *x, size_t ldx, int nt, int cols,
+                                        int c, int st, Piece (&v)[4], Scale sc) {
     constexpr int per = fmt_per(FMT);
     const uint4 *w = (const uint4 *)row;
     int nvec = cols / per, first = c;
-    float acc = 0;
+    float a[NT] = {};
     for (; c + 3 * st < nvec; c += 4 * st) {
         Piece u0 = v[0], u1 = v[1], u2 = v[2], u3 = v[3];
         if (c + 7 * st < nvec) {
@@ -617,35 +664,56 @@ __device__ __forceinline__ float row_dot(const char *row, const uint8_t *bs, con
         } else {
             row_load<FMT>(v, w, bs, c + 4 * st, st, nvec);
         }
-        acc += sc(c * per) * dot16<FMT>(u0.w, u0.s, x + c * per) + sc((c + st) * per) * dot16<FMT>(u1.w, u1.s, x + (c + st) * per) +
-               sc((c + 2 * st) * per) * dot16<FMT>(u2.w, u2.s, x + (c + 2 * st) * per) +
-               sc((c + 3 * st) * per) * dot16<FMT>(u3.w, u3.s, x + (c + 3 * st) * per);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const float *xt = x + t * ldx;
+            if (NT == 1 || t < nt)
+                a[t] += sc(t, c * per) * dot16<FMT>(u0.w, u0.s, xt + c * per) + sc(t, (c + st) * per) * dot16<FMT>(u1.w, u1.s, xt + (c + st) * per) +
+                        sc(t, (c + 2 * st) * per) * dot16<FMT>(u2.w, u2.s, xt + (c + 2 * st) * per) +
+                        sc(t, (c + 3 * st) * per) * dot16<FMT>(u3.w, u3.s, xt + (c + 3 * st) * per);
+        }
     }
 #pragma unroll
-    for (int k = 0; k < 3; k++)
-        if (c + k * st < nvec) acc += sc((c + k * st) * per) * dot16<FMT>(v[k].w, v[k].s, x + (c + k * st) * per);
-    return acc + row_tail<FMT>(row, bs, x, nvec * per + first, cols, st, sc);
+    for (int t = 0; t < NT; t++) {
+        const float *xt = x + t * ldx;
+        if (NT > 1 && t >= nt) continue;
+#pragma unroll
+        for (int k = 0; k < 3; k++)
+            if (c + k * st < nvec) a[t] += sc(t, (c + k * st) * per) * dot16<FMT>(v[k].w, v[k].s, xt + (c + k * st) * per);
+        acc[t] = a[t] + row_tail<FMT>(row, bs, xt, nvec * per + first, cols, st, [&](int k) { return sc(t, k); });
+    }
 }
 
 /* The same, unweighed, for the expert kernels' rows (whose addresses a lane learns after the wait):
  * four loads in flight, then one at a time. On H200 the pipelined form above made the MoE down
  * product slower (42.3 against 31.2 us a layer of nemotron-3-nano-30b-a3b, 2026-12-03). */
-template <int FMT> __device__ __forceinline__ float row_dot(const char *row, const uint8_t *bs, const float *x, int cols, int c, int st) {
+template <int FMT, int NT>
+__device__ __forceinline__ void row_dot(float (&acc)[NT], const char *row, const uint8_t *bs, const float *x, size_t ldx, int nt, int cols,
+                                        int c, int st) {
     constexpr int per = fmt_per(FMT);
     const uint4 *w = (const uint4 *)row;
     int nvec = cols / per, first = c;
-    float acc = 0;
+    float a[NT] = {};
     for (; c + 3 * st < nvec; c += 4 * st) {
-        Piece a = piece_load<FMT>(w, bs, c), b = piece_load<FMT>(w, bs, c + st), d = piece_load<FMT>(w, bs, c + 2 * st),
+        Piece p = piece_load<FMT>(w, bs, c), b = piece_load<FMT>(w, bs, c + st), d = piece_load<FMT>(w, bs, c + 2 * st),
               e = piece_load<FMT>(w, bs, c + 3 * st);
-        acc += dot16<FMT>(a.w, a.s, x + c * per) + dot16<FMT>(b.w, b.s, x + (c + st) * per) +
-               dot16<FMT>(d.w, d.s, x + (c + 2 * st) * per) + dot16<FMT>(e.w, e.s, x + (c + 3 * st) * per);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            const float *xt = x + t * ldx;
+            if (NT == 1 || t < nt)
+                a[t] += dot16<FMT>(p.w, p.s, xt + c * per) + dot16<FMT>(b.w, b.s, xt + (c + st) * per) +
+                        dot16<FMT>(d.w, d.s, xt + (c + 2 * st) * per) + dot16<FMT>(e.w, e.s, xt + (c + 3 * st) * per);
+        }
     }
     for (; c < nvec; c += st) {
-        Piece a = piece_load<FMT>(w, bs, c);
-        acc += dot16<FMT>(a.w, a.s, x + c * per);
+        Piece p = piece_load<FMT>(w, bs, c);
+#pragma unroll
+        for (int t = 0; t < NT; t++)
+            if (NT == 1 || t < nt) a[t] += dot16<FMT>(p.w, p.s, x + t * ldx + c * per);
     }
-    return acc + row_tail<FMT>(row, bs, x, nvec * per + first, cols, st, [](int) { return 1.0f; });
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+        if (NT == 1 || t < nt) acc[t] = a[t] + row_tail<FMT>(row, bs, x + t * ldx, nvec * per + first, cols, st, [](int) { return 1.0f; });
 }
 
 /* The class of formats an expert kernel is compiled for: one format, or FMT_ANY. The expert kernels
@@ -665,12 +733,12 @@ __device__ __forceinline__ void rows_load(Piece (&v)[R], const char *const (&row
     for (int q = 0; q < R; q++) v[q] = c < nvec ? piece_load<FMT>((const uint4 *)row[q], bs[q], c) : Piece{make_uint4(0, 0, 0, 0), 0};
 }
 
-/* This lane's part of R rows' dots with one x of `cols` elements (before the rows' scales), element k
- * weighed by sc(k), added to acc[q]: pieces c, c + st, ..., v holding the first (rows_load). Each
- * row's next piece is in flight while this one's math runs. */
-template <int FMT, int R, typename Scale>
-__device__ __forceinline__ void rows_dot(float (&acc)[R], const char *const (&row)[R], const uint8_t *const (&bs)[R], const float *x,
-                                         int cols, int c, int st, Piece (&v)[R], Scale sc) {
+/* This lane's part of R rows' dots with x_t of `cols` elements (before the rows' scales), element k
+ * of token t weighed by sc(t, k), added to acc[t][q] (tokens as row_dot's): pieces c, c + st, ...,
+ * v holding the first (rows_load). Each row's next piece is in flight while this one's math runs. */
+template <int FMT, int R, int NT, typename Scale>
+__device__ __forceinline__ void rows_dot(float (&acc)[NT][R], const char *const (&row)[R], const uint8_t *const (&bs)[R], const float *x,
+                                         size_t ldx, int nt, int cols, int c, int st, Piece (&v)[R], Scale sc) {
     constexpr int per = fmt_per(FMT);
     int nvec = cols / per, first = c;
     for (; c < nvec; c += st) {
@@ -680,29 +748,37 @@ __device__ __forceinline__ void rows_dot(float (&acc)[R], const char *const (&ro
             u[q] = v[q];
             if (c + st < nvec) v[q] = piece_load<FMT>((const uint4 *)row[q], bs[q], c + st);
         }
-        float s = sc(c * per);
 #pragma unroll
-        for (int q = 0; q < R; q++) acc[q] += s * dot16<FMT>(u[q].w, u[q].s, x + c * per);
+        for (int t = 0; t < NT; t++) {
+            if (NT > 1 && t >= nt) continue;
+            float s = sc(t, c * per);
+#pragma unroll
+            for (int q = 0; q < R; q++) acc[t][q] += s * dot16<FMT>(u[q].w, u[q].s, x + t * ldx + c * per);
+        }
     }
 #pragma unroll
-    for (int q = 0; q < R; q++) acc[q] += row_tail<FMT>(row[q], bs[q], x, nvec * per + first, cols, st, sc);
+    for (int t = 0; t < NT; t++)
+#pragma unroll
+        for (int q = 0; q < R; q++)
+            if (NT == 1 || t < nt)
+                acc[t][q] += row_tail<FMT>(row[q], bs[q], x + t * ldx, nvec * per + first, cols, st, [&](int k) { return sc(t, k); });
 }
 
 /* rows_load and rows_dot for a run-time format of a kernel compiled for the quantized class F. */
-template <int F, int R>
-__device__ __forceinline__ void rows_dot_fmt(int fmt, float (&acc)[R], const char *const (&row)[R], const uint8_t *const (&bs)[R],
-                                             const float *x, int cols, int c, int st) {
+template <int F, int R, int NT>
+__device__ __forceinline__ void rows_dot_fmt(int fmt, float (&acc)[NT][R], const char *const (&row)[R], const uint8_t *const (&bs)[R],
+                                             const float *x, size_t ldx, int nt, int cols, int c, int st) {
     Piece v[R];
-    auto one = [](int) { return 1.0f; };
+    auto one = [](int, int) { return 1.0f; };
     if (F == FMT_ANY && fmt == DT_BF16) {
         rows_load<DT_BF16, R>(v, row, bs, c, cols / fmt_per(DT_BF16));
-        rows_dot<DT_BF16, R>(acc, row, bs, x, cols, c, st, v, one);
+        rows_dot<DT_BF16, R, NT>(acc, row, bs, x, ldx, nt, cols, c, st, v, one);
     } else if (F == DT_FP8 || (F == FMT_ANY && fmt == DT_FP8)) {
         rows_load<DT_FP8, R>(v, row, bs, c, cols / fmt_per(DT_FP8));
-        rows_dot<DT_FP8, R>(acc, row, bs, x, cols, c, st, v, one);
+        rows_dot<DT_FP8, R, NT>(acc, row, bs, x, ldx, nt, cols, c, st, v, one);
     } else {
         rows_load<DT_NVFP4, R>(v, row, bs, c, cols / fmt_per(DT_NVFP4));
-        rows_dot<DT_NVFP4, R>(acc, row, bs, x, cols, c, st, v, one);
+        rows_dot<DT_NVFP4, R, NT>(acc, row, bs, x, ldx, nt, cols, c, st, v, one);
     }
 }
 
@@ -721,10 +797,16 @@ __host__ __device__ constexpr int gemv_min_blocks(int fmt) { return fmt == DT_F3
  * compiler makes for launch bounds of 256 threads instead of 16 blocks of 64. */
 enum { GEMV_WARPS = 2 };
 
+/* Tokens a product's kernel dots each loaded piece with: a few tokens' product (decode of a verify
+ * step) runs in rounds of GEMV_TOKENS, a warp's rows read again (from L2) each round. */
+enum { GEMV_TOKENS = 4 };
+
 typedef struct {
-    float *out;                 /* [rows] */
+    float *out;                 /* [T, ldo] out[t][i] for rows i */
     GMat W;                     /* the matrix, of the kernel's FMT */
-    const float *x;             /* [cols], 16-byte aligned */
+    const float *x;             /* [T, ldx] x[t][k] for columns k, each row 16-byte aligned */
+    int T;                      /* tokens (1 for the one-token kernels) */
+    int ldx, ldo;               /* floats between two tokens' x, out */
     int wpr;                    /* warps a row: 1 or 2 (gemv_wpr) */
     const void *warm;           /* decode-only: the next product, warmed in L2 (l2_warm) */
     size_t warm_n;              /* bytes of it to warm (0: none) */
@@ -732,47 +814,68 @@ typedef struct {
     GroupScale gs;              /* EPI_GNORM: the scan's partial sums of u^2 */
 } GemvArgs;
 
-/* out[i] = epi(sum_k W[i][k] x[k]) for fp32 and bf16 W; wpr warps per row, four to eight 16-byte
- * loads in flight per lane (row_dot), the first four before the wait. Blocks from warm_from on (the
- * last wave) then warm L2 for the next product. */
-template <int FMT, int EPI>
-__global__ void __launch_bounds__(32 * GEMV_WARPS, 16) gemv_kernel(const __grid_constant__ GemvArgs a) {
-    const float *x = a.x;
+/* EPI_GNORM: the group scales of tokens t0 .. t0 + nt - 1 into gsum + t * GNORM_PARTS (group_scales). */
+template <int THREADS>
+__device__ __forceinline__ void token_scales(float *gsum, const GroupScale &gs, int cols, int t0, int nt) {
+    for (int t = 0; t < nt; t++) {
+        GroupScale g = gs;
+        g.ss += (size_t)(t0 + t) * gs.step;
+        group_scales<THREADS>(gsum + t * GNORM_PARTS, g, cols);
+    }
+}
+
+/* out[t][i] = epi(sum_k W[i][k] x[t][k]) for fp32 and bf16 W; wpr warps per row, four to eight 16-byte
+ * loads in flight per lane (row_dot), the first four before the wait; NT tokens a round (NT = 1: the
+ * one-token kernel). Blocks from warm_from on (the last wave) then warm L2 for the next product. */
+template <int FMT, int EPI, int NT>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? 16 : 8) gemv_kernel(const __grid_constant__ GemvArgs a) {
     const GroupScale gs = a.gs;
-    int rows = a.W.rows, cols = a.W.cols, wpr = a.wpr;
-    __shared__ float red[GEMV_WARPS];
+    int rows = a.W.rows, cols = a.W.cols, wpr = a.wpr, T = NT == 1 ? 1 : a.T;
+    __shared__ float red[GEMV_WARPS][NT];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr;
     int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr, r = row < rows ? row : 0;
     const char *wrow = (const char *)a.W.w + (size_t)r * row_bytes(FMT, a.W.ld);
     const uint8_t *brow = NULL;
-    int st = 32 * wpr, c = part * 32 + lane;
+    int st = 32 * wpr, c = part * 32 + lane, nvec = cols / fmt_per(FMT);
     Piece v[4] = {};
-    if (row < rows) row_load<FMT>(v, (const uint4 *)wrow, brow, c, st, cols / fmt_per(FMT));   /* fetched while the previous kernel finishes */
+    if (row < rows) row_load<FMT>(v, (const uint4 *)wrow, brow, c, st, nvec);   /* fetched while the previous kernel finishes */
     pdl_wait();
-    __shared__ float gsum[EPI == EPI_GNORM ? GNORM_PARTS : 1];
-    if (EPI == EPI_GNORM) group_scales<32 * GEMV_WARPS>(gsum, gs, cols);
-    auto sc = [&](int k) { return EPI == EPI_GNORM ? gsum[k / gs.gsize * gs.parts] : 1.0f; };   /* element k's scale */
-    float acc = 0;
-    if (row < rows) acc = warp_sum(row_dot<FMT>(wrow, brow, x, cols, c, st, v, sc));
-    if ((int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
-    if (wpr > 1) {
-        if (lane == 0) red[warp] = acc;
-        __syncthreads();
-        if (part) return;
-        for (int k = 1; k < wpr; k++) acc += red[warp + k];
-    }
-    if (lane == 0 && row < rows) {
-        if (EPI == EPI_RELU2) { acc = fmaxf(acc, 0.0f); acc *= acc; }
-        a.out[row] = acc;
+    __shared__ float gsum[EPI == EPI_GNORM ? NT * GNORM_PARTS : 1];
+    for (int t0 = 0; t0 < T; t0 += NT) {
+        int nt = min(NT, T - t0);
+        if (t0) {   /* the round before is done with red and gsum; its pieces were all used */
+            __syncthreads();
+            if (row < rows) row_load<FMT>(v, (const uint4 *)wrow, brow, c, st, nvec);
+        }
+        if (EPI == EPI_GNORM) token_scales<32 * GEMV_WARPS>(gsum, gs, cols, t0, nt);
+        auto sc = [&](int t, int k) { return EPI == EPI_GNORM ? gsum[t * GNORM_PARTS + k / gs.gsize * gs.parts] : 1.0f; };
+        float acc[NT] = {};
+        if (row < rows) row_dot<FMT, NT>(acc, wrow, brow, a.x + (size_t)t0 * a.ldx, a.ldx, nt, cols, c, st, v, sc);
+#pragma unroll
+        for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+        if (t0 + NT >= T && (int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
+        if (wpr > 1) {
+            if (lane == 0)
+                for (int t = 0; t < NT; t++) red[warp][t] = acc[t];
+            __syncthreads();
+            for (int k = 1; k < wpr && !part; k++)
+                for (int t = 0; t < NT; t++) acc[t] += red[warp + k][t];
+        }
+        if (lane == 0 && row < rows && !part)
+            for (int t = 0; t < nt; t++) {
+                float o = acc[t];
+                if (EPI == EPI_RELU2) { o = fmaxf(o, 0.0f); o *= o; }
+                a.out[(size_t)(t0 + t) * a.ldo + row] = o;
+            }
     }
 }
 
-/* The same for FP8 and NVFP4 W, out[i] = epi(s_i sum_k W[i][k] x[k]) with s_i the row's scale: a warp
- * takes QROWS rows (rows_dot); their first pieces before the wait. */
-template <int FMT, int EPI>
-__global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(FMT)) gemv_q_kernel(const __grid_constant__ GemvArgs a) {
+/* The same for FP8 and NVFP4 W, out[t][i] = epi(s_i sum_k W[i][k] x[t][k]) with s_i the row's scale: a
+ * warp takes QROWS rows (rows_dot); their first pieces before the wait. */
+template <int FMT, int EPI, int NT>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT) : 4) gemv_q_kernel(const __grid_constant__ GemvArgs a) {
     const GroupScale gs = a.gs;
-    int rows = a.W.rows, cols = a.W.cols, lane = threadIdx.x & 31;
+    int rows = a.W.rows, cols = a.W.cols, lane = threadIdx.x & 31, T = NT == 1 ? 1 : a.T, nvec = cols / fmt_per(FMT);
     int row0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * QROWS;
     const char *wr[QROWS];
     const uint8_t *br[QROWS];
@@ -783,23 +886,33 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(FMT)) gemv_q_
         wr[q] = (const char *)a.W.w + (size_t)r * row_bytes(FMT, a.W.ld);
         br[q] = FMT == DT_NVFP4 ? a.W.bs + (size_t)r * (a.W.ld / 16) : NULL;
     }
-    rows_load<FMT, QROWS>(v, wr, br, lane, cols / fmt_per(FMT));
+    rows_load<FMT, QROWS>(v, wr, br, lane, nvec);
     pdl_wait();
-    __shared__ float gsum[EPI == EPI_GNORM ? GNORM_PARTS : 1];
-    if (EPI == EPI_GNORM) group_scales<32 * GEMV_WARPS>(gsum, gs, cols);
-    auto sc = [&](int k) { return EPI == EPI_GNORM ? gsum[k / gs.gsize * gs.parts] : 1.0f; };   /* element k's scale */
-    float acc[QROWS] = {}, mine = 0;   /* lane q keeps row q's sum */
-    rows_dot<FMT, QROWS>(acc, wr, br, a.x, cols, lane, 32, v, sc);
+    __shared__ float gsum[EPI == EPI_GNORM ? NT * GNORM_PARTS : 1];
+    for (int t0 = 0; t0 < T; t0 += NT) {
+        int nt = min(NT, T - t0);
+        if (t0) {   /* the round before is done with gsum; its pieces were all used */
+            __syncthreads();
+            rows_load<FMT, QROWS>(v, wr, br, lane, nvec);
+        }
+        if (EPI == EPI_GNORM) token_scales<32 * GEMV_WARPS>(gsum, gs, cols, t0, nt);
+        auto sc = [&](int t, int k) { return EPI == EPI_GNORM ? gsum[t * GNORM_PARTS + k / gs.gsize * gs.parts] : 1.0f; };
+        float acc[NT][QROWS] = {}, mine[NT] = {};   /* lane q keeps row q's sums */
+        rows_dot<FMT, QROWS, NT>(acc, wr, br, a.x + (size_t)t0 * a.ldx, a.ldx, nt, cols, lane, 32, v, sc);
 #pragma unroll
-    for (int q = 0; q < QROWS; q++) {
-        float t = warp_sum(acc[q]);
-        if (lane == q) mine = t;
-    }
-    if ((int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
-    if (lane < QROWS && row0 + lane < rows) {
-        mine *= a.W.rs[row0 + lane];
-        if (EPI == EPI_RELU2) { mine = fmaxf(mine, 0.0f); mine *= mine; }
-        a.out[row0 + lane] = mine;
+        for (int t = 0; t < NT; t++)
+#pragma unroll
+            for (int q = 0; q < QROWS; q++) {
+                float s = warp_sum(acc[t][q]);
+                if (lane == q) mine[t] = s;
+            }
+        if (t0 + NT >= T && (int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
+        if (lane < QROWS && row0 + lane < rows)
+            for (int t = 0; t < nt; t++) {
+                float o = mine[t] * a.W.rs[row0 + lane];
+                if (EPI == EPI_RELU2) { o = fmaxf(o, 0.0f); o *= o; }
+                a.out[(size_t)(t0 + t) * a.ldo + row0 + lane] = o;
+            }
     }
 }
 
@@ -811,11 +924,12 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(FMT)) gemv_q_
  *   out[t] = silu(b + w0 in[t-3] + w1 in[t-2] + w2 in[t-1] + w3 in[t]),
  * where in[-3..-1] are the three inputs before this step, kept in `state` (oldest first). A thread
  * slides along CONV_STEPS steps of one channel, so each input is read once. A single step (decode)
- * also shifts the state here; a longer one leaves that to conv_state_kernel. */
+ * also shifts the state here; a longer one leaves that to conv_state_kernel. With keep, the window
+ * after step t (in[t-2..t]) goes to keep + t * keep_step as well, laid out as state. */
 enum { CONV_STEPS = 8 };
 
 __global__ void conv_kernel(float *out, const float *in, int ldi, float *state, const float *w, const float *b,
-                            int T, int C) {
+                            int T, int C, float *keep, size_t keep_step) {
     int c = blockIdx.x * blockDim.x + threadIdx.x, t0 = blockIdx.y * CONV_STEPS;
     float w0 = 0, w1 = 0, w2 = 0, w3 = 0, bias = 0;
     if (c < C) { w0 = w[c * 4]; w1 = w[c * 4 + 1]; w2 = w[c * 4 + 2]; w3 = w[c * 4 + 3]; bias = b[c]; }
@@ -837,6 +951,8 @@ __global__ void conv_kernel(float *out, const float *in, int ldi, float *state, 
         a += w3 * cur;
         out[(size_t)t * C + c] = silu(a);
         h[0] = h[1]; h[1] = h[2]; h[2] = cur;
+        if (keep)
+            for (int k = 0; k < 3; k++) keep[(size_t)t * keep_step + c * 3 + k] = h[k];
     }
     if (T == 1) {
         float s1 = state[c * 3 + 1], s2 = state[c * 3 + 2];
@@ -866,13 +982,36 @@ __global__ void conv_state_kernel(float *state, const float *in, int ldi, int T,
  * one read of B and C serve four rows (shared-memory bandwidth is what bounds a scan like this), and
  * the four row sums are reduce-scattered over the LR lanes (scan_rows). The block copies the inputs
  * of the next `chunk` steps (its group's B and C, its rows' x, the raw dt) into shared memory with
- * cp.async while it computes the current ones (stage). T = 1 is the decode step; there, given gw and
- * gss, the scan also gates (scan_gate, the gated norm fold): y = u * gw with u = y * silu(z), z the
- * first d_inner columns of proj, and gss[h * gridDim.y + blockIdx.y] = the sum of u^2 over the
- * block's rows. The kernel takes its inputs one by one: given them as one struct parameter, nvcc 13
- * stops splitting the step loop into a gated and a plain copy and uses more registers, and the
- * 2048-step scan measured 12% slower on H200. */
+ * cp.async while it computes the current ones (stage). T = 1 is the decode step; there (MODE
+ * SCAN_GATE) the scan also gates (scan_gate, the gated norm fold): y = u * gw with u = y * silu(z), z
+ * the first d_inner columns of proj, and gss[h * gridDim.y + blockIdx.y] = the sum of u^2 over the
+ * block's rows. SCAN_EACH is for a few tokens run as decode runs them one by one (a speculative
+ * step's verify): each step gates as SCAN_GATE does, with sums of its own (gss, where given: token t's
+ * at gss + t * gridDim.x * gridDim.y), and the state after step t goes to keep + t * keep_step
+ * (where given). MODE is a template argument, not a test of gss in the step loop: nvcc 13 does not
+ * split that loop into a gated and a plain copy when the arguments come as one struct, and the
+ * 2048-step scan then took 12% longer on H200. */
 enum { SCAN_STEPS = 16, SCAN_THREADS = 256 };
+enum { SCAN_PLAIN, SCAN_GATE, SCAN_EACH };
+
+/* The inputs of a scan over T steps (ssm_scan_kernel; ssd_scan_kernel reads the fields up to d_inner). */
+typedef struct {
+    float *y;                   /* [T, d_inner] output: y, or u * gw where the scan gates */
+    float *ssm;                 /* [heads, hdim, N] fp32 state: read at the start, written back at the end */
+    const float *xbc;           /* [T, conv] conv output: x [d_inner] | B [groups * N] | C [groups * N] */
+    const float *proj;          /* [T, ld_proj] in_proj output: z from column 0, the raw dt from column dt_off */
+    int ld_proj, dt_off;
+    const float *A, *D, *dt_bias;   /* [heads] each; A = -exp(A_log) */
+    int T, heads, hdim, groups, d_inner;   /* steps; local heads, head size, local groups; heads * hdim */
+    int chunk;                  /* steps a stage of shared memory holds (ssm_scan sets it) */
+    const void *warm;           /* decode-only: out_proj, warmed in L2 (l2_warm) */
+    size_t warm_n;              /* bytes of it to warm (0: none) */
+    const float *gw;            /* [d_inner] gated norm weight: the scan gates (NULL: not; see ssm_scan) */
+    float *gss;                 /* [T, heads, scan blocks a head] each block's sum of u^2, where it gates */
+    float *keep;                /* [T] slots laid out as ssm, from this layer's in slot 0: the state after
+                                   each step (NULL: not kept) */
+    size_t keep_step;           /* floats between two slots */
+} ScanArgs;
 
 /* Lanes per group of four rows: 16 (8 at N = 8). N is a power of two, 8..256. */
 __host__ __device__ constexpr int scan_lanes(int N) { return N >= 16 ? 16 : N; }
@@ -892,11 +1031,12 @@ template <int LR> __device__ __forceinline__ float scan_rows(const float (&v)[4]
     return r;
 }
 
-template <int N>
-__global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
-        float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off, const float *A, const float *D,
-        const float *dt_bias, int T, int chunk, int heads, int hdim, int groups, int d_inner, const void *warm, size_t warm_n,
-        const float *gw, float *gss) {
+template <int N, int MODE>
+__global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(const __grid_constant__ ScanArgs sa) {
+    float *y = sa.y, *ssm = sa.ssm, *gss = sa.gss, *keep = sa.keep;
+    const float *xbc = sa.xbc, *proj = sa.proj, *A = sa.A, *D = sa.D, *dt_bias = sa.dt_bias, *gw = sa.gw;
+    int ld_proj = sa.ld_proj, dt_off = sa.dt_off, T = sa.T, chunk = sa.chunk, heads = sa.heads, hdim = sa.hdim, groups = sa.groups,
+        d_inner = sa.d_inner;
     constexpr int LR = scan_lanes(N), E = N / LR;   /* compile-time: shared-memory offsets become immediates */
     extern __shared__ float4 sm4[];
     float *sm = (float *)sm4;
@@ -913,12 +1053,13 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
 #pragma unroll
         for (int e = 0; e < E; e++) S[k][e] = p < hdim ? st[e * LR] : 0.0f;
     }
-    l2_warm(warm, warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
+    l2_warm(sa.warm, sa.warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
     /* the row this lane writes (see scan_rows); its z and gw are ready (see LAUNCH) */
     int row = scan_row<LR>(sub), pw = p0 + q * 4 + row;
     int writer = (sub & (LR / 4 - 1)) == 0 && pw < hdim;
     float gate = 0, gww = 0, uu = 0;   /* silu(z), gw of that row; sum of u^2 */
-    if (gss && writer) { gate = silu(proj[h * hdim + pw]); gww = gw[h * hdim + pw]; }
+    if (MODE == SCAN_GATE && writer) gate = silu(proj[h * hdim + pw]);
+    if ((MODE == SCAN_GATE || (MODE == SCAN_EACH && gss)) && writer) gww = gw[h * hdim + pw];
     pdl_wait();
     auto stage = [&](int t0, int buf) {   /* the inputs of steps t0 .. t0 + chunk - 1 into buffer buf */
         int steps = min(chunk, T - t0);
@@ -968,13 +1109,28 @@ __global__ void __launch_bounds__(SCAN_THREADS) ssm_scan_kernel(
             float r = scan_rows<LR>(v, sub);
             if (writer) {
                 float yv = r + d * xs[row];
-                if (gss) yv = scan_gate(yv, gate, gww, uu);
+                if (MODE == SCAN_GATE) yv = scan_gate(yv, gate, gww, uu);
+                if (MODE == SCAN_EACH && gss) yv = scan_gate(yv, silu(proj[(size_t)(t0 + s) * ld_proj + h * hdim + pw]), gww, uu);
                 y[(size_t)(t0 + s) * d_inner + h * hdim + pw] = yv;
+            }
+            if (MODE == SCAN_EACH && keep) {
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    int p = p0 + q * 4 + k;
+                    float *out = keep + (size_t)(t0 + s) * sa.keep_step + ((size_t)h * hdim + p) * N + sub;
+#pragma unroll
+                    for (int e = 0; e < E; e++) if (p < hdim) out[e * LR] = S[k][e];
+                }
+            }
+            if (MODE == SCAN_EACH && gss) {   /* every thread is here: steps is the block's */
+                float total = block_sum(uu);
+                uu = 0;
+                if (threadIdx.x == 0) gss[(size_t)(t0 + s) * gridDim.x * gridDim.y + h * gridDim.y + blockIdx.y] = total;
             }
         }
         __syncthreads();   /* this buffer and sdt are free for the next chunk */
     }
-    if (gss) {
+    if (MODE == SCAN_GATE) {
         float total = block_sum(uu);
         if (threadIdx.x == 0) gss[h * gridDim.y + blockIdx.y] = total;
     }
@@ -995,32 +1151,27 @@ static int scan_threads(int hdim, int N) { return std::min((int)SCAN_THREADS, ((
 /* The scan's blocks per head (each leaves one partial sum of u^2 when it gates). */
 static int scan_blocks(int hdim, int N) { return cdiv(hdim, scan_threads(hdim, N) / scan_lanes(N) * 4); }
 
-/* Whether a step of T tokens over `heads` heads folds the gated norm into the scan and out_proj (see
- * the decode-only fusions): at decode, where a group of gsize channels is whole 16-byte pieces of
+/* Whether a step over `heads` heads folds the gated norm into the scan and out_proj (see the
+ * decode-only fusions): a decoded one (dec), where a group of gsize channels is whole 16-byte pieces of
  * out_proj's rows (per elements a piece) and all the scan's partial sums fit. */
-static int gnorm_folds(int T, int heads, int hdim, int N, int gsize, int per) {
-    return T == 1 && gsize % per == 0 && heads * scan_blocks(hdim, N) <= GNORM_PARTS;
+static int gnorm_folds(int dec, int heads, int hdim, int N, int gsize, int per) {
+    return dec && gsize % per == 0 && heads * scan_blocks(hdim, N) <= GNORM_PARTS;
 }
 
-/* Launches the scan for `heads` heads of hdim channels, state size N; half the chunk at N = 256 to
- * stay under 48 KB of shared memory. gw, gss: gate at decode (NULL: not). */
-static void ssm_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
-                     const float *A, const float *D, const float *dt_bias, int T, int heads, int hdim, int N, int groups,
-                     int d_inner, const void *warm, size_t warm_n, const float *gw, float *gss) {
-    int threads = scan_threads(hdim, N), rpb = threads / scan_lanes(N) * 4, chunk = N > 128 ? SCAN_STEPS / 2 : SCAN_STEPS;
-    size_t smem = (size_t)(2 * chunk * (2 * N + rpb + 1) + 2 * SCAN_STEPS) * sizeof(float);
-    dim3 grid(heads, scan_blocks(hdim, N));
-#define SCAN(n) LAUNCH(grid, threads, smem, stream, ssm_scan_kernel<n>, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T, \
-                      chunk, heads, hdim, groups, d_inner, warm, warm_n, gw, gss)
-    switch (N) {
-    case 8: SCAN(8); break;
-    case 16: SCAN(16); break;
-    case 32: SCAN(32); break;
-    case 64: SCAN(64); break;
-    case 128: SCAN(128); break;
-    default: SCAN(256);
-    }
-#undef SCAN
+/* The scan kernel for state size N and a mode. */
+template <int MODE> static void (*ssm_scan_for(int N))(const ScanArgs) {
+    return N == 8 ? ssm_scan_kernel<8, MODE> : N == 16 ? ssm_scan_kernel<16, MODE> : N == 32 ? ssm_scan_kernel<32, MODE>
+         : N == 64 ? ssm_scan_kernel<64, MODE> : N == 128 ? ssm_scan_kernel<128, MODE> : ssm_scan_kernel<256, MODE>;
+}
+
+/* Launches the scan of a (state size N): gated where a.gss is given (with a.gw), the states kept where
+ * a.keep is. Half the chunk at N = 256 to stay under 48 KB of shared memory. */
+static void ssm_scan(cudaStream_t stream, ScanArgs a, int N) {
+    int threads = scan_threads(a.hdim, N), rpb = threads / scan_lanes(N) * 4;
+    a.chunk = N > 128 ? SCAN_STEPS / 2 : SCAN_STEPS;
+    size_t smem = (size_t)(2 * a.chunk * (2 * N + rpb + 1) + 2 * SCAN_STEPS) * sizeof(float);
+    auto k = a.keep || (a.gss && a.T > 1) ? ssm_scan_for<SCAN_EACH>(N) : a.gss ? ssm_scan_for<SCAN_GATE>(N) : ssm_scan_for<SCAN_PLAIN>(N);
+    LAUNCH(dim3(a.heads, scan_blocks(a.hdim, N)), threads, smem, stream, k, a);
 }
 
 /* u = y * silu(z), then RMSNorm over each group of gsize channels, times w, into out (fp32: y itself;
@@ -1100,10 +1251,10 @@ static constexpr int ssd_smem_floats(int N) {
 }
 
 template <int N>
-__global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(float *y, float *ssm, const float *xbc, const float *proj,
-                                                                 int ld_proj, int dt_off, const float *A, const float *D,
-                                                                 const float *dt_bias, int T, int heads, int hdim, int groups,
-                                                                 int d_inner) {
+__global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(const __grid_constant__ ScanArgs sa) {
+    float *y = sa.y, *ssm = sa.ssm;
+    const float *xbc = sa.xbc, *proj = sa.proj;
+    int ld_proj = sa.ld_proj, dt_off = sa.dt_off, T = sa.T, heads = sa.heads, hdim = sa.hdim, groups = sa.groups, d_inner = sa.d_inner;
     constexpr int L = SSD_L, PB = SSD_ROWS, LX = PB + 8, LB = N + 4, LM = L + 4;
     static_assert(L == 64 && L * N % (32 * SSD_WARPS) == 0, "the decay scan takes two steps a lane; loads whole rounds");
     extern __shared__ float4 ssd_sm4[];
@@ -1111,7 +1262,7 @@ __global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(float *y, f
     float *dts = Ss + PB * LB, *cs = dts + L, *ws = cs + L;   /* dt_s; cs_s; w_s = exp(cs_{L-1} - cs_s) dt_s */
     int h = blockIdx.x, p0 = blockIdx.y * PB, g = h / (heads / groups), cv = d_inner + 2 * groups * N;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, c = lane & 3;
-    float a = A[h], d = D[h], bias = dt_bias[h];
+    float a = sa.A[h], d = sa.D[h], bias = sa.dt_bias[h];
     pdl_wait();
     for (int i = threadIdx.x; i < PB * N; i += blockDim.x) {
         int p = i / N, n = i % N;
@@ -1237,16 +1388,13 @@ __global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(float *y, f
     }
 }
 
-/* Launches the SSD scan over T steps: heads heads of hdim channels, state size N (ssm_scan's arguments). */
-static void ssd_scan(cudaStream_t stream, float *y, float *ssm, const float *xbc, const float *proj, int ld_proj, int dt_off,
-                     const float *A, const float *D, const float *dt_bias, int T, int heads, int hdim, int N, int groups,
-                     int d_inner) {
+/* Launches the SSD scan of a (state size N). */
+static void ssd_scan(cudaStream_t stream, const ScanArgs &a, int N) {
     auto k = N == 8 ? ssd_scan_kernel<8> : N == 16 ? ssd_scan_kernel<16> : N == 32 ? ssd_scan_kernel<32>
            : N == 64 ? ssd_scan_kernel<64> : N == 128 ? ssd_scan_kernel<128> : ssd_scan_kernel<256>;
     size_t smem = ssd_smem_floats(N) * sizeof(float);
     CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    LAUNCH(dim3(heads, cdiv(hdim, SSD_ROWS)), 32 * SSD_WARPS, smem, stream, k, y, ssm, xbc, proj, ld_proj, dt_off, A, D, dt_bias, T,
-           heads, hdim, groups, d_inner);
+    LAUNCH(dim3(a.heads, cdiv(a.hdim, SSD_ROWS)), 32 * SSD_WARPS, smem, stream, k, a);
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -1280,10 +1428,11 @@ static int attn_splits(int ctx) { return std::min((int)ATTN_SPLITS, cdiv(ctx, AT
 __device__ __forceinline__ int attn_len(int n, int splits) { return (n + splits - 1) / splits; }
 
 template <typename KT> struct AttnArgs {
-    float *part;                /* [q heads, splits, head_dim + 2] each split's (max, sum, weighted v) */
-    const float *q;             /* [q heads * head_dim] this rank's queries */
+    float *part;                /* [T, q heads, splits, head_dim + 2] each split's (max, sum, weighted v) */
+    const float *q;             /* [T, ldq] this rank's queries, q heads * head_dim a token */
+    int ldq;                    /* floats between two tokens' queries */
     const KT *kc, *vc;          /* [ctx, kw] the caches, in the cache's dtype */
-    const int *pos;             /* [1] the query's position: it sees keys 0..pos */
+    const int *pos;             /* [1] the first query's position: token t's sees keys 0..pos + t */
     int kw, hd;                 /* cache row (kv heads * head_dim), head_dim */
     int group, q0, kv0;         /* query heads a kv head; this rank's first global query and kv head */
     float scale;                /* 1 / sqrt(head_dim) */
@@ -1292,21 +1441,26 @@ template <typename KT> struct AttnArgs {
     size_t warm_n;              /* bytes of it to warm */
 };
 
-/* One query (decode) against keys 0..pos: block (head, split) keeps an online softmax over its keys
+/* Decode: block (head, split, t) of a grid whose z is the tokens, the whole block's index. */
+__device__ __forceinline__ size_t block_index() { return ((size_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x; }
+
+/* One query (decode; token t = blockIdx.z of a few) against keys 0..pos + t: block (head, split, t)
+ * keeps an online softmax over its keys
  *   m = max_j s_j,  l = sum_j e^(s_j - m),  acc = sum_j e^(s_j - m) v_j,  s_j = scale q . k_j
  * and writes (m, l, acc) for combine; a split past the last key writes (-inf, 0, 0). A warp takes
- * four keys at a time and issues all their K and V loads before any math. */
+ * four keys at a time and issues all their K and V loads before any math. Token t's block does what a
+ * one-token step at position pos + t does. */
 template <int NC>
 __global__ void __launch_bounds__(128) attn_decode_kernel(const __grid_constant__ AttnArgs<float> a) {
-    l2_warm(a.warm, a.warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
+    l2_warm(a.warm, a.warm_n, block_index(), (size_t)gridDim.x * gridDim.y * gridDim.z);
     pdl_wait();
     const float *kc = a.kc, *vc = a.vc;
-    int kw = a.kw, hd = a.hd, splits = a.splits;
+    int kw = a.kw, hd = a.hd, splits = a.splits, t = blockIdx.z;
     float scale = a.scale;
     int h = blockIdx.x, s = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int n = *a.pos + 1, len = attn_len(n, splits), j0 = s * len, j1 = min(n, j0 + len);
-    float *out = a.part + ((size_t)h * splits + s) * (hd + 2);
-    const float *qh = a.q + h * hd;
+    int n = *a.pos + t + 1, len = attn_len(n, splits), j0 = s * len, j1 = min(n, j0 + len);
+    float *out = a.part + (((size_t)t * gridDim.x + h) * splits + s) * (hd + 2);
+    const float *qh = a.q + (size_t)t * a.ldq + h * hd;
     int kvh = (a.q0 + h) / a.group - a.kv0;
     float m = -INFINITY, l = 0, acc[NC] = {0}, qv[NC];
 #pragma unroll
@@ -1358,23 +1512,25 @@ __global__ void __launch_bounds__(128) attn_decode_kernel(const __grid_constant_
     }
 }
 
-/* Launches attn_decode_kernel for n_q query heads (see there); a bf16 cache has its own kernel below. */
-static void attn_decode(cudaStream_t stream, const AttnArgs<float> &a, int n_q) {
+/* Launches attn_decode_kernel for n_q query heads of T tokens (see there); a bf16 cache has its own
+ * kernel below. */
+static void attn_decode(cudaStream_t stream, const AttnArgs<float> &a, int n_q, int T) {
     int hd = a.hd;
     auto k = hd <= 32 ? attn_decode_kernel<1> : hd <= 64 ? attn_decode_kernel<2> : hd <= 128 ? attn_decode_kernel<4>
                                                                                : attn_decode_kernel<8>;
-    LAUNCH(dim3(n_q, a.splits), 128, 0, stream, k, a);
+    LAUNCH(dim3(n_q, a.splits, T), 128, 0, stream, k, a);
 }
 
-/* out[h] = sum over splits of e^(m_s - M) acc_s / sum over splits of e^(m_s - M) l_s (splits with keys).
- * Warp 0 turns the splits' (m_s, l_s), a lane each, into weights e^(m_s - M) / L; then each element
- * adds its splits' terms with all their loads in flight. */
+/* y[t][h] = sum over splits of e^(m_s - M) acc_s / sum over splits of e^(m_s - M) l_s (splits with
+ * keys), block (h, t). Warp 0 turns the splits' (m_s, l_s), a lane each, into weights e^(m_s - M) / L;
+ * then each element adds its splits' terms with all their loads in flight. */
 static_assert(ATTN_SPLITS <= 32, "attn_combine_kernel: a lane per split");
 __global__ void __launch_bounds__(128) attn_combine_kernel(float *y, const float *part, const int *pos, int hd, int splits) {
     pdl_wait();
     __shared__ float wt[ATTN_SPLITS];
-    int h = blockIdx.x, n = *pos + 1, len = attn_len(n, splits), used = (n + len - 1) / len;
-    const float *p = part + (size_t)h * splits * (hd + 2);
+    int h = blockIdx.x, t = blockIdx.y, n = *pos + t + 1, len = attn_len(n, splits), used = (n + len - 1) / len;
+    const float *p = part + ((size_t)t * gridDim.x + h) * splits * (hd + 2);
+    y += (size_t)t * gridDim.x * hd;
     if (threadIdx.x < 32) {
         int s = threadIdx.x;
         float ms = s < used ? p[s * (hd + 2)] : -INFINITY, ls = s < used ? p[s * (hd + 2) + 1] : 0.0f;
@@ -1574,8 +1730,9 @@ __global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(const __grid_con
     }
 }
 
-/* One query (decode) from a bf16 cache, on the tensor cores: block (kv head k, tile of up to 16 of its
- * query heads, split s) writes each head's split partial (m, l, acc) as attn_decode_kernel does, for
+/* One query (decode; token t = blockIdx.z of a few) from a bf16 cache, on the tensor cores: block (kv
+ * head k, tile of up to 16 of its query heads, split s, t) writes each head's split partial (m, l,
+ * acc) as attn_decode_kernel does, for
  * attn_combine_kernel. The heads are the 16 rows of mma.sync m16n8k16 tiles, so a GQA group reads each
  * K and V row once. The block stages FA_KEYS keys at a time in shared memory (cp.async, two stages: the
  * next tile loads while this one is used); warp w takes keys 16w .. 16w + 15 of a tile with its own
@@ -1587,16 +1744,18 @@ __global__ void __launch_bounds__(FA_THREADS) attn_decode_bf16_kernel(const __gr
     extern __shared__ uint4 fa_sm[];
     __shared__ __align__(16) bf16 Qs[16 * LDS];
     bf16 *tiles = (bf16 *)fa_sm;   /* stage st: K rows at tiles + st * STAGE, V rows FA_KEYS * LDS after */
-    l2_warm(a.warm, a.warm_n, (size_t)blockIdx.y * gridDim.x + blockIdx.x, (size_t)gridDim.x * gridDim.y);
+    l2_warm(a.warm, a.warm_n, block_index(), (size_t)gridDim.x * gridDim.y * gridDim.z);
     int qt = (qpk + 15) / 16, kvh = blockIdx.x / qt, r_first = blockIdx.x % qt * 16, nh = min(16, qpk - r_first);
-    int h0 = kvh * qpk + r_first, s = blockIdx.y, splits = a.splits, hd = a.hd, kw = a.kw;
+    int h0 = kvh * qpk + r_first, s = blockIdx.y, splits = a.splits, hd = a.hd, kw = a.kw, t = blockIdx.z;
+    const float *q = a.q + (size_t)t * a.ldq;
+    float *part = a.part + (size_t)t * (gridDim.x / qt * qpk) * splits * (hd + 2);   /* token t's: all its heads' */
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     bool vec = hd % 8 == 0;   /* rows of whole 16-byte pieces: cp.async */
     pdl_wait();
-    int n = *a.pos + 1, len = attn_len(n, splits), j0 = s * len, j1 = min(n, j0 + len);
+    int n = *a.pos + t + 1, len = attn_len(n, splits), j0 = s * len, j1 = min(n, j0 + len);
     for (int i = threadIdx.x; i < 16 * DT; i += FA_THREADS) {   /* Q rows as bf16; rows past the tile's heads, zeros */
         int r = i / DT, d = i % DT * 8;
-        *(uint4 *)&Qs[r * LDS + d] = r < nh ? load8_bf16(a.q + (size_t)(h0 + r) * hd + d, hd - d, vec && d < hd) : make_uint4(0, 0, 0, 0);
+        *(uint4 *)&Qs[r * LDS + d] = r < nh ? load8_bf16(q + (size_t)(h0 + r) * hd + d, hd - d, vec && d < hd) : make_uint4(0, 0, 0, 0);
     }
     auto stage = [&](int st, int jt) {   /* keys jt .. jt + FA_KEYS - 1 into stage st */
         bf16 *Ks = tiles + st * STAGE, *Vs = Ks + FA_KEYS * LDS;
@@ -1696,25 +1855,25 @@ __global__ void __launch_bounds__(FA_THREADS) attn_decode_bf16_kernel(const __gr
         float M = fmaxf(fmaxf(wm[r], wm[16 + r]), fmaxf(wm[32 + r], wm[48 + r])), sum = 0;
         for (int w = 0; w < 4; w++)
             if (wm[w * 16 + r] > -INFINITY) sum += exp2f(wm[w * 16 + r] - M) * (d < 0 ? wl[w * 16 + r] : wo[(w * 16 + r) * HD + d]);
-        float *out = a.part + ((size_t)(h0 + r) * splits + s) * (hd + 2);
+        float *out = part + ((size_t)(h0 + r) * splits + s) * (hd + 2);
         if (d >= 0) out[2 + d] = sum;
         else { out[0] = M * 0.6931471805599453f; out[1] = sum; }   /* m back in natural-log units for combine */
     }
 }
 
-/* Launches attn_decode_bf16_kernel for n_q local query heads over kw / hd local kv heads. */
-template <int HD> static void attn_decode_bf16_launch(cudaStream_t stream, const AttnArgs<bf16> &a, int n_q) {
+/* Launches attn_decode_bf16_kernel for n_q local query heads over kw / hd local kv heads, T tokens. */
+template <int HD> static void attn_decode_bf16_launch(cudaStream_t stream, const AttnArgs<bf16> &a, int n_q, int T) {
     int qpk = n_q / (a.kw / a.hd);
     size_t smem = (size_t)2 * 2 * FA_KEYS * (HD + 8) * sizeof(bf16);
     CUDA_CHECK(cudaFuncSetAttribute(attn_decode_bf16_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    LAUNCH(dim3(a.kw / a.hd * cdiv(qpk, 16), a.splits), FA_THREADS, smem, stream, attn_decode_bf16_kernel<HD>, a, qpk);
+    LAUNCH(dim3(a.kw / a.hd * cdiv(qpk, 16), a.splits, T), FA_THREADS, smem, stream, attn_decode_bf16_kernel<HD>, a, qpk);
 }
 
-static void attn_decode(cudaStream_t stream, const AttnArgs<bf16> &a, int n_q) {
+static void attn_decode(cudaStream_t stream, const AttnArgs<bf16> &a, int n_q, int T) {
     int hd = a.hd;
     auto launch = hd <= 32 ? attn_decode_bf16_launch<32> : hd <= 64 ? attn_decode_bf16_launch<64> : hd <= 96 ? attn_decode_bf16_launch<96>
                 : hd <= 128 ? attn_decode_bf16_launch<128> : attn_decode_bf16_launch<256>;
-    launch(stream, a, n_q);
+    launch(stream, a, n_q, T);
 }
 
 /* The same for fp32 checkpoints (fp32 cache), in fp32: their tests hold the GPU to 2e-4 of
@@ -1846,11 +2005,12 @@ __device__ void moe_select(int *idx, float *wt, const float *l, const float *bia
     }
 }
 
-/* Decode's router in one launch: block e dots gate row e (fp32, its whole row in flight before the
- * wait) with x; the last block to finish (a counter, which it resets for the next step) chooses from
- * all E logits. The choice stays on the GPU: the step needs no host round trip and stays one graph. */
+/* Decode's router in one launch, for T tokens: block e dots gate row e (fp32, its whole row in flight
+ * before the wait) with each token's x; the last block to finish (a counter, which it resets for the
+ * next step) chooses, token by token, from all E logits. The choice stays on the GPU: the step needs
+ * no host round trip and stays one graph. */
 __global__ void __launch_bounds__(ROUTE_THREADS) moe_route_kernel(int *idx, float *wt, float *logits, unsigned *done,
-                                                                 const float *gate, const float *bias, const float *x, int H,
+                                                                 const float *gate, const float *bias, const float *x, int H, int T,
                                                                  MoeRoute rt) {
     const uint4 *w = (const uint4 *)(gate + (size_t)blockIdx.x * H);
     int nvec = H / 4;   /* H is a multiple of 8 (setup) */
@@ -1861,24 +2021,30 @@ __global__ void __launch_bounds__(ROUTE_THREADS) moe_route_kernel(int *idx, floa
         a[k] = v < nvec ? ld_stream(w + v) : make_uint4(0, 0, 0, 0);
     }
     pdl_wait();
-    float acc = 0;
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (size_t)t * H;
+        float acc = 0;
 #pragma unroll
-    for (int k = 0; k < ROUTE_PER; k++) {
-        int v = threadIdx.x + k * ROUTE_THREADS;
-        if (v < nvec) acc += dot16<DT_F32>(a[k], 0, x + 4 * v);
+        for (int k = 0; k < ROUTE_PER; k++) {
+            int v = threadIdx.x + k * ROUTE_THREADS;
+            if (v < nvec) acc += dot16<DT_F32>(a[k], 0, xt + 4 * v);
+        }
+        for (int v = threadIdx.x + ROUTE_PER * ROUTE_THREADS; v < nvec; v += ROUTE_THREADS) acc += dot16<DT_F32>(ld_stream(w + v), 0, xt + 4 * v);
+        acc = block_sum(acc);
+        if (threadIdx.x == 0) logits[(size_t)t * gridDim.x + blockIdx.x] = acc;
     }
-    for (int v = threadIdx.x + ROUTE_PER * ROUTE_THREADS; v < nvec; v += ROUTE_THREADS) acc += dot16<DT_F32>(ld_stream(w + v), 0, x + 4 * v);
-    acc = block_sum(acc);
     __shared__ int last;
     if (threadIdx.x == 0) {
-        logits[blockIdx.x] = acc;
-        __threadfence();   /* the logit is visible before the count says so */
+        __threadfence();   /* the logits are visible before the count says so */
         last = atomicAdd(done, 1u) == gridDim.x - 1;
     }
     __syncthreads();
     if (!last) return;
     __threadfence();
-    moe_select(idx, wt, logits, bias, rt);
+    for (int t = 0; t < T; t++) {
+        moe_select(idx + (size_t)t * rt.K, wt + (size_t)t * rt.K, logits + (size_t)t * gridDim.x, bias, rt);
+        __syncthreads();   /* the choice is read before the next token's overwrites its scratch */
+    }
     if (threadIdx.x == 0) *done = 0;
 }
 
@@ -1902,6 +2068,7 @@ __device__ __forceinline__ void l2_row(const char *p, size_t n, int first, int s
 typedef struct {
     GMat W;                     /* routed: every expert's rows, stacked, erows each */
     const float *x;             /* [cols] input, 16-byte aligned; routed down: slot j's at x + j * xstep */
+    int ldx;                    /* floats between two tokens' inputs (several tokens) */
 } MoeIn;
 
 /* Row i of an expert product's matrix: its bytes, its block scales and its scale. */
@@ -1921,9 +2088,11 @@ typedef struct {
     int m, K;                   /* rows of one expert's (this rank's intermediate size), chosen slots */
     MoeIn shared;               /* the shared expert's up_proj rows of this rank, on x */
     int S;                      /* its rows */
+    int T, ldh;                 /* tokens; floats between two tokens' h */
 } MoeUp;
 
-/* Virtual row r of moe_up_kernel: its matrix, row, input and place in h, and its slot's weight. */
+/* Virtual row r of moe_up_kernel: its matrix, row, input and place in h (token 0's, for a shared row),
+ * and its slot's weight. */
 typedef struct {
     const GMat *W;
     MoeRow row;
@@ -1934,15 +2103,17 @@ typedef struct {
 
 __device__ __forceinline__ MoeUpRow moe_up_row(const MoeUp &u, const int *idx, const float *wt, int r) {
     if (r < u.S) return MoeUpRow{&u.shared.W, moe_row(u.shared.W, r), u.shared.x, u.K * pad8(u.m) + r, 1.0f};
-    int j = (r - u.S) / u.m, i = (r - u.S) - j * u.m;
-    return MoeUpRow{&u.routed.W, moe_row(u.routed.W, (size_t)idx[j] * u.m + i), u.routed.x, j * pad8(u.m) + i, wt[j]};
+    int p = (r - u.S) / u.m, i = (r - u.S) - p * u.m, t = p / u.K, j = p - t * u.K;   /* token t's slot j */
+    return MoeUpRow{&u.routed.W, moe_row(u.routed.W, (size_t)idx[p] * u.m + i), u.routed.x + (size_t)t * u.routed.ldx,
+                    t * u.ldh + j * pad8(u.m) + i, wt[p]};
 }
 
 /* moe_up_kernel's quantized form: virtual rows r0 .. r0 + QROWS - 1, read together (rows_dot) where
- * they share an input (the shared expert's rows, or one slot's expert), else one by one. */
-template <int F>
+ * they share an input (the shared expert's rows, or one slot's expert), else one by one; a shared row
+ * for every token, NT a round. */
+template <int F, int NT>
 __device__ __forceinline__ void moe_up_rows(float *h, const int *idx, const float *wt, const MoeUp &u, int r0, int lane) {
-    int end = u.S + u.K * u.m;
+    int end = u.S + u.T * u.K * u.m;
     for (int q = 0; q < QROWS && r0 + q < u.S; q++) l2_row(moe_row(u.shared.W, r0 + q).w, row_bytes(u.shared.W.fmt, u.shared.W.cols), lane, 32);
     pdl_wait();
     if (r0 >= end) return;
@@ -1952,7 +2123,6 @@ __device__ __forceinline__ void moe_up_rows(float *h, const int *idx, const floa
         MoeUpRow vr[QROWS];
         const char *w[QROWS];
         const uint8_t *bs[QROWS];
-        float acc[QROWS] = {}, mine = 0;
 #pragma unroll
         for (int q = 0; q < QROWS; q++) {
             vr[q] = moe_up_row(u, idx, wt, r0 + g + (together ? q : 0));
@@ -1960,46 +2130,66 @@ __device__ __forceinline__ void moe_up_rows(float *h, const int *idx, const floa
             bs[q] = vr[q].row.bs;
             if (together || q == 0) l2_row(w[q], row_bytes(vr[q].W->fmt, vr[q].W->cols), lane, 32);
         }
-        if (together) rows_dot_fmt<F, QROWS>(vr[0].W->fmt, acc, w, bs, vr[0].x, vr[0].W->cols, lane, 32);
-        else {
-            float one[1] = {0};
-            const char *w1[1] = {w[0]};
-            const uint8_t *b1[1] = {bs[0]};
-            rows_dot_fmt<F, 1>(vr[0].W->fmt, one, w1, b1, vr[0].x, vr[0].W->cols, lane, 32);
-            acc[0] = one[0];
-        }
-        int at = 0;
+        int n = NT > 1 && r0 + g < u.S ? u.T : 1;   /* tokens: every one for a shared row */
+        for (int t0 = 0; t0 < n; t0 += NT) {
+            int nt = min(NT, n - t0);
+            const float *x = vr[0].x + (size_t)t0 * u.shared.ldx;
+            float acc[NT][QROWS] = {}, mine[NT] = {};
+            if (together) rows_dot_fmt<F, QROWS, NT>(vr[0].W->fmt, acc, w, bs, x, u.shared.ldx, nt, vr[0].W->cols, lane, 32);
+            else {
+                float one[NT][1] = {};
+                const char *w1[1] = {w[0]};
+                const uint8_t *b1[1] = {bs[0]};
+                rows_dot_fmt<F, 1, NT>(vr[0].W->fmt, one, w1, b1, x, u.shared.ldx, nt, vr[0].W->cols, lane, 32);
 #pragma unroll
-        for (int q = 0; q < QROWS; q++) {
-            float t = fmaxf(warp_sum(acc[q]) * vr[q].row.scale, 0.0f);
-            if (lane == q) { mine = vr[q].wt * t * t; at = vr[q].at; }
+                for (int t = 0; t < NT; t++) acc[t][0] = one[t][0];
+            }
+            int at = 0;
+#pragma unroll
+            for (int q = 0; q < QROWS; q++)
+#pragma unroll
+                for (int t = 0; t < NT; t++) {
+                    float v = fmaxf(warp_sum(acc[t][q]) * vr[q].row.scale, 0.0f);
+                    if (lane == q) { mine[t] = vr[q].wt * v * v; at = vr[q].at; }
+                }
+            if (lane < (together ? QROWS : 1))
+                for (int t = 0; t < nt; t++) h[at + (size_t)(t0 + t) * u.ldh] = mine[t];
         }
-        if (lane < (together ? QROWS : 1)) h[at] = mine;
     }
 }
 
-/* Decode, every chosen expert's up product and the shared expert's in one launch. Virtual row r of
- * [S | K m] (S shared rows, m rows of each routed expert on this rank) is shared row r, on x, or row
- * i = (r - S) % m of the expert in slot j = (r - S) / m, on z (x, or fc1's latent):
- *   h[K mp + r] = relu(sup[r] . x)^2,   h[j mp + i] = wt[j] relu(up_{idx[j]}[i] . z)^2
+/* Decode, every chosen expert's up product and the shared expert's in one launch, for T tokens.
+ * Virtual row r of [S | T K m] (S shared rows, m rows of each routed expert on this rank) is shared
+ * row r, on every token's x, or row i = (r - S) % m of the expert in token t's slot j, (t K + j) =
+ * (r - S) / m, on its z (x, or fc1's latent):
+ *   h[t][K mp + r] = relu(sup[r] . x_t)^2,   h[t][j mp + i] = wt[t][j] relu(up_{idx[t][j]}[i] . z_t)^2
  * (mp: m rounded up to 8, so each slot's part of h starts 16-byte aligned for moe_down_kernel).
  * A warp a row. The shared rows, first, ask L2 for their weights before the wait; the routed rows
  * learn their expert after it (the router may be the kernel just before). */
-template <int F>
-__global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(F)) moe_up_kernel(float *h, const int *idx, const float *wt,
-                                                                                    const __grid_constant__ MoeUp u) {
+template <int F, int NT>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) : 4) moe_up_kernel(float *h, const int *idx,
+                                                                                                  const float *wt,
+                                                                                                  const __grid_constant__ MoeUp u) {
     int lane = threadIdx.x & 31, S = u.S, m = u.m;
     if constexpr (F != DT_F32 && F != DT_BF16) {   /* quantized: QROWS rows a warp (moe_up_rows) */
-        moe_up_rows<F>(h, idx, wt, u, (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * QROWS, lane);
+        moe_up_rows<F, NT>(h, idx, wt, u, (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * QROWS, lane);
     } else {
         int r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
         if (r < S) l2_row(moe_row(u.shared.W, r).w, row_bytes(u.shared.W.fmt, u.shared.W.cols), lane, 32);
         pdl_wait();
-        if (r >= S + u.K * m) return;
+        if (r >= S + u.T * u.K * m) return;
         MoeUpRow v = moe_up_row(u, idx, wt, r);
         if (r >= S) l2_row(v.row.w, row_bytes(v.W->fmt, v.W->cols), lane, 32);
-        float acc = fmaxf(warp_sum(row_dot<F>(v.row.w, v.row.bs, v.x, v.W->cols, lane, 32)) * v.row.scale, 0.0f);
-        if (lane == 0) h[v.at] = v.wt * acc * acc;
+        int n = NT > 1 && r < S ? u.T : 1;   /* tokens: every one for a shared row */
+        for (int t0 = 0; t0 < n; t0 += NT) {
+            int nt = min(NT, n - t0);
+            float acc[NT];
+            row_dot<F, NT>(acc, v.row.w, v.row.bs, v.x + (size_t)t0 * u.shared.ldx, u.shared.ldx, nt, v.W->cols, lane, 32);
+            for (int t = 0; t < nt; t++) {
+                float a = fmaxf(warp_sum(acc[t]) * v.row.scale, 0.0f);
+                if (lane == 0) h[v.at + (size_t)(t0 + t) * u.ldh] = v.wt * a * a;
+            }
+        }
     }
 }
 
@@ -2010,84 +2200,146 @@ typedef struct {
     int k, erows, xstep;        /* slots used (0: none), rows of one expert's matrix, see MoeIn.x */
     MoeIn fixed[2];             /* matrices every token uses: the shared expert's down, fc2_latent_proj */
     int nfixed;
+    int T, ldo;                 /* tokens; floats between two tokens' outputs */
 } MoeDown;
 
-/* out[i] = sum over the segments s of scale_s W_s[i] . x_s (the up kernel already weighed the
- * routed inputs). wpr warps a row, as gemv_kernel. The router ran two kernels back, so the weights a
- * row reads are known before the wait: its first segment is asked of L2 then; after it, each
- * segment's lines are asked for while the one before is dotted (one segment ahead, not the whole row:
- * a wave's rows of every chosen expert would not fit in L2). Blocks from warm_from on warm L2 for the
- * next product, as gemv_kernel's last wave does. */
-template <int F>
-__global__ void __launch_bounds__(32 * GEMV_WARPS, gemv_min_blocks(F)) moe_down_kernel(float *out, int rows, const int *idx,
-                                                                                      const __grid_constant__ MoeDown md, int wpr,
-                                                                                      const void *warm, size_t warm_n, int warm_from) {
+/* Segment j (< k + nfixed) of a token's row: its matrix, the first row of it that is the segment's,
+ * and its input. */
+typedef struct {
+    const GMat *W;
+    size_t r0;
+    const float *x;
+} MoeSeg;
+
+/* out[t][i] = sum over the segments s of scale_s W_s[i] . x_{t,s} (the up kernel already weighed the
+ * routed inputs), the segments in order. wpr warps a row, as gemv_kernel. The router ran two kernels
+ * back, so the weights a row reads are known before the wait: its first segment is asked of L2 then;
+ * after it, each segment's lines are asked for while the one before is dotted (one segment ahead,
+ * not the whole row: a wave's rows of every chosen expert would not fit in L2). Several tokens: a
+ * round's tokens' routed segments one token after the other, then the fixed ones, each row dotted with
+ * all of the round's inputs. Blocks from warm_from on warm L2 for the next product, as gemv_kernel's
+ * last wave does. */
+template <int F, int NT>
+__global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) : 4) moe_down_kernel(float *out, int rows, const int *idx,
+                                                                                                    const __grid_constant__ MoeDown md,
+                                                                                                    int wpr, const void *warm,
+                                                                                                    size_t warm_n, int warm_from) {
     __shared__ const GMat *mat[MOE_SEGS];
     __shared__ const float *xs[MOE_SEGS];
     __shared__ size_t r0[MOE_SEGS];
-    __shared__ float red[GEMV_WARPS];
-    int n = md.k + md.nfixed;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    __shared__ int ld[MOE_SEGS];
+    __shared__ float red[GEMV_WARPS][NT];
+    int n = md.k + md.nfixed, T = NT == 1 ? 1 : md.T;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {   /* token 0's segments */
         const MoeIn *in = j < md.k ? &md.routed : &md.fixed[j - md.k];
         mat[j] = &in->W;
         r0[j] = j < md.k ? (size_t)idx[j] * md.erows : 0;
         xs[j] = j < md.k ? in->x + (size_t)j * md.xstep : in->x;
+        ld[j] = in->ldx;
     }
     __syncthreads();
+    auto moe_seg = [&](int t, int j) {   /* token t's segment j */
+        if (NT == 1) t = 0;
+        return MoeSeg{mat[j], j < md.k && t ? (size_t)idx[t * md.k + j] * md.erows : r0[j], xs[j] + (size_t)t * ld[j]};
+    };
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr, first = part * 32 + lane, st = 32 * wpr;
     if constexpr (F != DT_F32 && F != DT_BF16) {   /* quantized: QROWS output rows a warp, x read once a piece */
         int row0 = (blockIdx.x * GEMV_WARPS + warp) * QROWS;
-        auto rows_of = [&](int j, const char *(&w)[QROWS], const uint8_t *(&bs)[QROWS], float (&sc)[QROWS]) {
+        auto rows_of = [&](const MoeSeg &sg, const char *(&w)[QROWS], const uint8_t *(&bs)[QROWS], float (&sc)[QROWS]) {
 #pragma unroll
             for (int q = 0; q < QROWS; q++) {
-                MoeRow s = moe_row(*mat[j], r0[j] + min(row0 + q, rows - 1));
+                MoeRow s = moe_row(*sg.W, sg.r0 + min(row0 + q, rows - 1));
                 w[q] = s.w, bs[q] = s.bs, sc[q] = s.scale;
             }
         };
         const char *w[QROWS];
         const uint8_t *bs[QROWS];
-        float sc[QROWS], acc[QROWS] = {}, mine = 0;
+        float sc[QROWS];
         if (row0 < rows && n) {
-            rows_of(0, w, bs, sc);
-            for (int q = 0; q < QROWS; q++) l2_row(w[q], row_bytes(mat[0]->fmt, mat[0]->cols), lane, 32);
+            MoeSeg s0 = moe_seg(0, 0);
+            rows_of(s0, w, bs, sc);
+            for (int q = 0; q < QROWS; q++) l2_row(w[q], row_bytes(s0.W->fmt, s0.W->cols), lane, 32);
         }
         pdl_wait();
-        for (int j = 0; row0 < rows && j < n; j++) {
-            float part_acc[QROWS] = {};
-            rows_of(j, w, bs, sc);
-            rows_dot_fmt<F, QROWS>(mat[j]->fmt, part_acc, w, bs, xs[j], mat[j]->cols, lane, 32);
+        for (int t0 = 0; t0 < T; t0 += NT) {
+            int nt = min(NT, T - t0);
+            float acc[NT][QROWS] = {}, mine[NT] = {};
+            for (int t = 0; row0 < rows && t < nt; t++)   /* the routed segments, token by token (one token: all) */
+                for (int j = 0; j < (NT == 1 ? n : md.k); j++) {
+                    MoeSeg sg = moe_seg(t0 + t, j);
+                    float part_acc[1][QROWS] = {};
+                    rows_of(sg, w, bs, sc);
+                    rows_dot_fmt<F, QROWS, 1>(sg.W->fmt, part_acc, w, bs, sg.x, 0, 1, sg.W->cols, lane, 32);
 #pragma unroll
-            for (int q = 0; q < QROWS; q++) acc[q] += part_acc[q] * sc[q];
-        }
+                    for (int q = 0; q < QROWS; q++) acc[t][q] += part_acc[0][q] * sc[q];
+                }
+            for (int j = md.k; NT > 1 && row0 < rows && j < n; j++) {   /* the fixed ones, for every token of the round */
+                MoeSeg sg = moe_seg(t0, j);
+                float part_acc[NT][QROWS] = {};
+                rows_of(sg, w, bs, sc);
+                rows_dot_fmt<F, QROWS, NT>(sg.W->fmt, part_acc, w, bs, sg.x, ld[j], nt, sg.W->cols, lane, 32);
 #pragma unroll
-        for (int q = 0; q < QROWS; q++) {
-            float t = warp_sum(acc[q]);
-            if (lane == q) mine = t;
+                for (int t = 0; t < NT; t++)
+#pragma unroll
+                    for (int q = 0; q < QROWS; q++) acc[t][q] += part_acc[t][q] * sc[q];
+            }
+#pragma unroll
+            for (int t = 0; t < NT; t++)
+#pragma unroll
+                for (int q = 0; q < QROWS; q++) {
+                    float v = warp_sum(acc[t][q]);
+                    if (lane == q) mine[t] = v;
+                }
+            if (t0 + NT >= T && (int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
+            if (lane < QROWS && row0 + lane < rows)
+                for (int t = 0; t < nt; t++) out[(size_t)(t0 + t) * md.ldo + row0 + lane] = mine[t];
         }
-        if ((int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
-        if (lane < QROWS && row0 + lane < rows) out[row0 + lane] = mine;
     } else {
         int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr;
-        auto seg = [&](int j) { return moe_row(*mat[j], r0[j] + row); };
-        auto seg_bytes = [&](int j) { return row_bytes(mat[j]->fmt, mat[j]->cols); };
-        if (row < rows && n) l2_row(seg(0).w, seg_bytes(0), first, st);
+        auto seg_row = [&](const MoeSeg &sg) { return moe_row(*sg.W, sg.r0 + row); };
+        auto seg_bytes = [&](const MoeSeg &sg) { return row_bytes(sg.W->fmt, sg.W->cols); };
+        auto ahead = [&](int t, int j) {   /* asks L2 for segment j + 1's row */
+            MoeSeg a = moe_seg(t, j + 1);
+            l2_row(seg_row(a).w, seg_bytes(a), first, st);
+        };
+        if (row < rows && n) { MoeSeg s0 = moe_seg(0, 0); l2_row(seg_row(s0).w, seg_bytes(s0), first, st); }
         pdl_wait();
-        float acc = 0;
-        if (row < rows)
-            for (int j = 0; j < n; j++) {
-                if (j + 1 < n) l2_row(seg(j + 1).w, seg_bytes(j + 1), first, st);
-                MoeRow s = seg(j);
-                acc += row_dot<F>(s.w, s.bs, xs[j], mat[j]->cols, first, st) * s.scale;
+        for (int t0 = 0; t0 < T; t0 += NT) {
+            int nt = min(NT, T - t0);
+            float acc[NT] = {};
+            if (row < rows) {
+                for (int t = 0; t < nt; t++)   /* the routed segments, token by token (one token: all) */
+                    for (int j = 0; j < (NT == 1 ? n : md.k); j++) {
+                        if (j + 1 < n) ahead(t0 + t, j);
+                        MoeSeg sg = moe_seg(t0 + t, j);
+                        MoeRow s = seg_row(sg);
+                        float d[1];
+                        row_dot<F, 1>(d, s.w, s.bs, sg.x, 0, 1, sg.W->cols, first, st);
+                        acc[t] += d[0] * s.scale;
+                    }
+                for (int j = md.k; NT > 1 && j < n; j++) {   /* the fixed ones, for every token of the round */
+                    if (j + 1 < n) ahead(t0, j);
+                    MoeSeg sg = moe_seg(t0, j);
+                    MoeRow s = seg_row(sg);
+                    float d[NT];
+                    row_dot<F, NT>(d, s.w, s.bs, sg.x, ld[j], nt, sg.W->cols, first, st);
+                    for (int t = 0; t < nt; t++) acc[t] += d[t] * s.scale;
+                }
             }
-        acc = warp_sum(acc);
-        if ((int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
-        if (wpr > 1) {
-            if (lane == 0) red[warp] = acc;
-            __syncthreads();
-            if (part) return;
-            for (int k = 1; k < wpr; k++) acc += red[warp + k];
+#pragma unroll
+            for (int t = 0; t < NT; t++) acc[t] = warp_sum(acc[t]);
+            if (t0 + NT >= T && (int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
+            if (wpr > 1) {
+                if (t0) __syncthreads();   /* the round before has read red */
+                if (lane == 0)
+                    for (int t = 0; t < NT; t++) red[warp][t] = acc[t];
+                __syncthreads();
+                for (int k = 1; k < wpr && !part; k++)
+                    for (int t = 0; t < NT; t++) acc[t] += red[warp + k][t];
+            }
+            if (lane == 0 && row < rows && !part)
+                for (int t = 0; t < nt; t++) out[(size_t)(t0 + t) * md.ldo + row] = acc[t];
         }
-        if (lane == 0 && row < rows) out[row] = acc;
     }
 }
 
@@ -2188,7 +2440,8 @@ enum { SAMPLE_CAND = 40960 };
 
 /* The same rule as sample_logits() in nemoh.c: argmax at temp 0 (first on ties); else probabilities
  * p_i ~ exp((l_i - max) / temp), the top-p threshold by bisection, and a draw in index order with
- * coin(seed, step). One block of 1024 threads. Passes where order does not matter are strided over
+ * coin(seed, step). Block j of 1024 threads draws from row j: out[j] from l[j], with scratch p[j] and
+ * coin(seed, step + j). Passes where order does not matter are strided over
  * the vocabulary; where it does (gathering candidates, the draw), warp w owns the w-th contiguous
  * range and walks it 32 elements at a time, a lane each, so the loads stay coalesced.
  * Every threshold the bisection tries lies above (1 - topp) total / (2V): at or below
@@ -2199,6 +2452,10 @@ enum { SAMPLE_CAND = 40960 };
 __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, float *p, int V, float temp, float topp,
                                                      uint64_t seed, uint64_t step) {
     pdl_wait();
+    out += blockIdx.x;
+    l += (size_t)blockIdx.x * V;
+    p += (size_t)blockIdx.x * V;
+    step += blockIdx.x;
     extern __shared__ float cand[];   /* [SAMPLE_CAND] */
     __shared__ float sv[1024];
     __shared__ int si[1024];
@@ -2299,7 +2556,7 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
 static int gemv_slots(int gpu) {
     int sms, per_sm;
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, gpu));
-    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<DT_BF16, EPI_NONE>, 32 * GEMV_WARPS, 0));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<DT_BF16, EPI_NONE, 1>, 32 * GEMV_WARPS, 0));
     return sms * per_sm;
 }
 
@@ -2372,15 +2629,20 @@ static void gemm(GpuRank *g, float *out, int ldo, const void *act, int lda, int 
     gemm_rows(g, out, ldo, act, lda, T, W, 0, W->rows, 0.0f);
 }
 
-/* The one-token product's kernel for a format and an epilogue. */
-template <int FMT> static void (*gemv_for(int epi))(const GemvArgs) {
+/* The one-token product's kernel for a format and an epilogue, NT tokens a round. */
+template <int FMT, int NT> static void (*gemv_for(int epi))(const GemvArgs) {
     if constexpr (FMT == DT_FP8 || FMT == DT_NVFP4)
-        return epi == EPI_RELU2 ? gemv_q_kernel<FMT, EPI_RELU2> : epi == EPI_GNORM ? gemv_q_kernel<FMT, EPI_GNORM> : gemv_q_kernel<FMT, EPI_NONE>;
-    else return epi == EPI_RELU2 ? gemv_kernel<FMT, EPI_RELU2> : epi == EPI_GNORM ? gemv_kernel<FMT, EPI_GNORM> : gemv_kernel<FMT, EPI_NONE>;
+        return epi == EPI_RELU2 ? gemv_q_kernel<FMT, EPI_RELU2, NT> : epi == EPI_GNORM ? gemv_q_kernel<FMT, EPI_GNORM, NT>
+                                                                                     : gemv_q_kernel<FMT, EPI_NONE, NT>;
+    else return epi == EPI_RELU2 ? gemv_kernel<FMT, EPI_RELU2, NT> : epi == EPI_GNORM ? gemv_kernel<FMT, EPI_GNORM, NT> : gemv_kernel<FMT, EPI_NONE, NT>;
 }
-static void (*gemv_for(int fmt, int epi))(const GemvArgs) {
-    return fmt == DT_F32 ? gemv_for<DT_F32>(epi) : fmt == DT_BF16 ? gemv_for<DT_BF16>(epi) : fmt == DT_FP8 ? gemv_for<DT_FP8>(epi)
-                                                                                                        : gemv_for<DT_NVFP4>(epi);
+/* ... for one token, or (several) for a few. */
+template <int NT> static void (*gemv_for(int fmt, int epi))(const GemvArgs) {
+    return fmt == DT_F32 ? gemv_for<DT_F32, NT>(epi) : fmt == DT_BF16 ? gemv_for<DT_BF16, NT>(epi) : fmt == DT_FP8 ? gemv_for<DT_FP8, NT>(epi)
+                                                                                                                : gemv_for<DT_NVFP4, NT>(epi);
+}
+static void (*gemv_for(int fmt, int epi, int several))(const GemvArgs) {
+    return several ? gemv_for<GEMV_TOKENS>(fmt, epi) : gemv_for<1>(fmt, epi);
 }
 
 /* Blocks of the one-token product of W (wpr warps a row; quantized: QROWS rows a warp), and how many
@@ -2393,16 +2655,18 @@ static int gemv_blocks(const GpuRank *g, const GMat *W, int wpr, int *slots) {
     return q ? cdiv(W->rows, GEMV_WARPS * QROWS) : cdiv(W->rows, GEMV_WARPS / wpr);
 }
 
-/* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2, or at T = 1
- * the group scale gs (EPI_GNORM). At T = 1 the last wave then warms L2 for `next`, the product that
- * follows. */
+/* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2, or in a
+ * decoded step the group scale gs (EPI_GNORM). A decoded step's tokens (decoded) take the one-token
+ * kernels, every row of out the one a one-token step computes; their last wave then warms L2 for
+ * `next`, the product that follows. */
 static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi, const GMat *next,
                    const GroupScale *gs) {
-    if (T == 1) {
+    if (decoded(g, T)) {
         int wpr = gemv_wpr(g, W), slots, blocks = gemv_blocks(g, W, wpr, &slots);
-        GemvArgs a = {.out = out, .W = *W, .x = x, .wpr = wpr, .warm = next ? next->w : NULL, .warm_n = warm_bytes(next),
-                      .warm_from = blocks > slots ? blocks - slots : 0, .gs = gs ? *gs : GroupScale{NULL, 0, 1, 0.0f}};
-        LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, gemv_for(W->fmt, epi), a);
+        GemvArgs a = {.out = out, .W = *W, .x = x, .T = T, .ldx = ldx, .ldo = ldo, .wpr = wpr, .warm = next ? next->w : NULL,
+                      .warm_n = warm_bytes(next), .warm_from = blocks > slots ? blocks - slots : 0,
+                      .gs = gs ? *gs : GroupScale{NULL, 0, 1, 0.0f, 0}};
+        LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, gemv_for(W->fmt, epi, T > 1), a);
         return;
     }
     int lda;
@@ -2418,7 +2682,18 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
  * ---------------------------------------------------------------------------------------------- */
 
 static GpuRank *gpu_rank(Rank *r) { return (GpuRank *)r->st; }
+
+/* Whether this forward keeps each token's recurrent state (r->keep; only the model's own layers have one). */
+static int keeping(const Rank *r) { return r->keep && r->pass == PASS_MAIN; }
 static GpuShared *gpu_shared(Rank *r) { return (GpuShared *)r->sh; }
+
+/* Starts capturing this single-token forward, unless its pass has a graph already or its states are kept. */
+static void capture(Rank *r) {
+    GpuRank *g = gpu_rank(r);
+    if (!r->graph || g->captured[r->pass] || keeping(r)) return;
+    CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
+    g->capturing = 1;
+}
 
 static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
     GpuRank *g = gpu_rank(r);
@@ -2429,10 +2704,15 @@ static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
     CUDA_CHECK(cudaMemcpyAsync(g->tok, g->host_io, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, g->stream));
     CUDA_CHECK(cudaMemcpyAsync(g->pos, g->host_io + T, sizeof(int), cudaMemcpyHostToDevice, g->stream));
     g->pend_slot = 0;
-    if (T == 1 && r->graph && !g->captured) {
-        CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
-        g->capturing = 1;
+    if (keeping(r) && (r->spec < 1 || T > r->spec + 1)) {
+        fprintf(stderr, "nemoh: keep: %d tokens, states kept for %d\n", T, r->spec > 0 ? r->spec + 1 : 0);
+        exit(1);
     }
+    if (r->pass == PASS_MAIN) {   /* a main forward moves the states on: what was kept before is stale */
+        g->kept_n = keeping(r) ? T : 0;
+        g->kept_live = T - 1;
+    }
+    if (T == 1 && r->pass == PASS_MAIN) capture(r);   /* an MTP step starts its capture in gpu_mtp_in */
 }
 
 static void gpu_end(Rank *r, int T) {
@@ -2441,23 +2721,27 @@ static void gpu_end(Rank *r, int T) {
     if (!g->capturing) return;
     cudaGraph_t graph;
     CUDA_CHECK(cudaStreamEndCapture(g->stream, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&g->graph, graph, 0));
+    CUDA_CHECK(cudaGraphInstantiate(&g->graph[r->pass], graph, 0));
     CUDA_CHECK(cudaGraphDestroy(graph));
     g->capturing = 0;
-    g->captured = 1;
-    CUDA_CHECK(cudaGraphLaunch(g->graph, g->stream));  /* the capture recorded the step; now run it */
+    g->captured[r->pass] = 1;
+    CUDA_CHECK(cudaGraphLaunch(g->graph[r->pass], g->stream));  /* the capture recorded the step; now run it */
 }
 
+/* Replays this pass's single-token graph. The MTP pass's was captured with mtp_in's row 0 (a host
+ * value the graph holds): the layer loop asks for it only where that row is 0, and runs the others
+ * eagerly. */
 static int gpu_replay(Rank *r, const int *tok, int T, int pos) {
     GpuRank *g = gpu_rank(r);
-    if (T != 1 || !g->captured) return 0;
+    if (T != 1 || !g->captured[r->pass] || keeping(r)) return 0;   /* a step whose states are kept runs eagerly */
     CUDA_CHECK(cudaSetDevice(r->gpu));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    if (r->pass == PASS_MAIN) g->kept_n = 0;
     g->host_io[0] = tok[0];
     g->host_io[1] = pos;
     CUDA_CHECK(cudaMemcpyAsync(g->tok, g->host_io, sizeof(int), cudaMemcpyHostToDevice, g->stream));
     CUDA_CHECK(cudaMemcpyAsync(g->pos, g->host_io + 1, sizeof(int), cudaMemcpyHostToDevice, g->stream));
-    CUDA_CHECK(cudaGraphLaunch(g->graph, g->stream));
+    CUDA_CHECK(cudaGraphLaunch(g->graph[r->pass], g->stream));
     g->rows = 1;
     return 1;
 }
@@ -2479,8 +2763,8 @@ static void pend_allreduce(Rank *r, int T) {
 static void gpu_norm(Rank *r, int l, int how, int T) {
     GpuRank *g = gpu_rank(r);
     const Config *c = r->c;
-    const float *w = l < c->n_layers ? g->L[l].norm : g->norm_f;
-    bf16 *x16 = T > 1 ? g->x16 : NULL;
+    const float *w = l >= 0 ? g->L[l].norm : l == NORM_F ? g->norm_f : g->mtp_norm;
+    bf16 *x16 = decoded(g, T) ? NULL : g->x16;   /* a prompt's products read x in bf16 */
     if (how == NORM_FUSED && g->pend.devapi) {
         size_t off = (size_t)g->pend_slot * r->t_max * c->hidden * sizeof(float);
         FusedArgs a = {.dev = g->pend.dev, .win = g->pend.win, .offset = off, .x = g->x, .res = g->res, .x16 = x16, .w = w, .T = T,
@@ -2502,10 +2786,15 @@ static void gpu_allreduce(Rank *r, int T) {
     gpu_rank(r)->pend_slot ^= 1;
 }
 
-/* Layer l's first product (lm_head after the last layer): what the product before it warms L2 for. */
+/* Layer l's first product: what the product before it warms L2 for. */
 static const GMat *first_product(GpuRank *g, const Config *c, int l) {
-    if (l >= c->n_layers) return &g->lm_head;
     return c->kind[l] == K_MAMBA ? &g->L[l].in_proj : c->kind[l] == K_ATTN ? &g->L[l].qkv : c->kind[l] == K_MOE ? &g->L[l].sup : &g->L[l].up;
+}
+
+/* The product after layer l's: the next layer's first, or lm_head after the last block and after the
+ * MTP block's last sublayer. */
+static const GMat *next_product(GpuRank *g, const Config *c, int l) {
+    return l + 1 == c->n_layers || l + 1 >= n_all(c) ? &g->lm_head : first_product(g, c, l + 1);
 }
 
 /* Where the current mixer writes its partial sums: slot pend_slot, which the next norm adds. */
@@ -2516,6 +2805,24 @@ static float *pend_out(Rank *r) {
     return p;
 }
 
+/* residual[t] = eh_proj([enorm(embed[tok[t]]) ; hnorm(x[row + t])]): x as the last forward's final
+ * norm left it, read before anything of this step writes it (stream order). */
+static void gpu_mtp_in(Rank *r, const int *tok, int T, int row) {
+    (void)tok;  /* already on the device (gpu_begin) */
+    GpuRank *g = gpu_rank(r);
+    const Config *c = r->c;
+    int H = c->hidden;
+    if (row < 0 || row + T > r->t_max) { fprintf(stderr, "nemoh: mtp_in: rows %d..%d of %d\n", row, row + T - 1, r->t_max); exit(1); }
+    if (T == 1 && row == 0) capture(r);   /* the graph holds row: only row 0 is replayed (gpu_replay) */
+    LAUNCH(dim3(T, 2), NORM_THREADS, 0, g->stream, mtp_in_kernel, g->eh, (const GMat)g->embed, (const int *)g->tok,
+           (const float *)g->x + (size_t)row * H, (const float *)g->enorm, (const float *)g->hnorm, H, c->eps);
+    matmul(g, g->res, H, g->eh, 2 * H, T, &g->eh_proj, EPI_NONE, first_product(g, c, c->n_layers), NULL);
+}
+
+/* Where the state at `live` (a layer's conv_st or ssm) is kept after token 0 with r->keep; the slot
+ * of token t is snap_bytes further on per token. */
+static float *kept_at(GpuRank *g, float *live) { return (float *)(g->kept + ((char *)live - g->state)); }
+
 static void gpu_mamba(Rank *r, int l, int T, int pos) {
     (void)pos;
     GpuRank *g = gpu_rank(r);
@@ -2523,21 +2830,26 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     const Config *c = r->c;
     const Shard *s = &r->s;
     int H = c->hidden, di = s->d_inner, cv = s->conv, in = s->in_proj, N = c->d_state;
+    size_t slot = g->snap_bytes / sizeof(float);   /* floats between two kept states */
     matmul(g, g->proj, in, g->x, H, T, &L->in_proj, EPI_NONE, &L->out, NULL);
-    LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, g->stream, conv_kernel, g->xbc, g->proj + di, in, L->conv_st, L->conv_w, L->conv_b, T, cv);
+    LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, g->stream, conv_kernel, g->xbc, g->proj + di, in, L->conv_st, L->conv_w,
+           L->conv_b, T, cv, keeping(r) ? kept_at(g, L->conv_st) : NULL, slot);
     if (T > 1) {
         LAUNCH(cdiv(cv, 128), 128, 0, g->stream, conv_state_kernel, L->conv_st, g->proj + di, in, T, cv);
     }
-    int gsize = di / s->groups, fold = gnorm_folds(T, s->m_heads, c->m_hdim, N, gsize, fmt_per(L->out.fmt));
-    if (T > 1 && lowp(&L->in_proj))   /* a prompt of a bf16 model: the chunked scan; fp32 models keep the exact one */
-        ssd_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
-                 s->groups, di);
-    else
-        ssm_scan(g->stream, g->y, L->ssm, g->xbc, g->proj, in, di + cv, L->A, L->D, L->dt_bias, T, s->m_heads, c->m_hdim, N,
-                 s->groups, di, L->out.w, T == 1 ? warm_bytes(&L->out) : 0, fold ? L->gnorm : NULL, fold ? g->gss : NULL);
-    GroupScale gs = {g->gss, s->m_heads / s->groups * scan_blocks(c->m_hdim, N), gsize, c->eps};
+    int gsize = di / s->groups, dec = decoded(g, T), fold = gnorm_folds(dec, s->m_heads, c->m_hdim, N, gsize, fmt_per(L->out.fmt));
+    ScanArgs sa = {.y = g->y, .ssm = L->ssm, .xbc = g->xbc, .proj = g->proj, .ld_proj = in, .dt_off = di + cv, .A = L->A, .D = L->D,
+                   .dt_bias = L->dt_bias, .T = T, .heads = s->m_heads, .hdim = c->m_hdim, .groups = s->groups, .d_inner = di,
+                   .chunk = 0, .warm = L->out.w, .warm_n = dec ? warm_bytes(&L->out) : 0, .gw = fold ? L->gnorm : NULL,
+                   .gss = fold ? g->gss : NULL, .keep = keeping(r) ? kept_at(g, L->ssm) : NULL, .keep_step = slot};
+    /* a prompt of a bf16 model: the chunked scan; fp32 models, decoded steps and steps whose states are
+       kept, the exact one */
+    if (!dec && lowp(&L->in_proj) && !keeping(r)) ssd_scan(g->stream, sa, N);
+    else ssm_scan(g->stream, sa, N);
+    GroupScale gs = {g->gss, s->m_heads / s->groups * scan_blocks(c->m_hdim, N), gsize, c->eps,
+                     (size_t)s->m_heads * scan_blocks(c->m_hdim, N)};
     dim3 gn_grid(T * s->groups), gn_block(gated_norm_threads(gsize));
-    if (T > 1 && lowp(&L->out)) {   /* a bf16 prompt: the gated norm writes out_proj's bf16 input itself */
+    if (!dec && lowp(&L->out)) {   /* a bf16 prompt: the gated norm writes out_proj's bf16 input itself */
         LAUNCH(gn_grid, gn_block, 0, g->stream, gated_norm_kernel<bf16>, g->act16, g->act_w, g->y, g->proj, in, L->gnorm, di, gsize, c->eps);
         gemm(g, pend_out(r), H, g->act16, g->act_w, T, &L->out);
         return;
@@ -2545,11 +2857,11 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     if (!fold) {
         LAUNCH(gn_grid, gn_block, 0, g->stream, gated_norm_kernel<float>, g->y, di, g->y, g->proj, in, L->gnorm, di, gsize, c->eps);
     }
-    matmul(g, pend_out(r), H, g->y, di, T, &L->out, fold ? EPI_GNORM : EPI_NONE, first_product(g, c, l + 1), &gs);
+    matmul(g, pend_out(r), H, g->y, di, T, &L->out, fold ? EPI_GNORM : EPI_NONE, next_product(g, c, l), &gs);
 }
 
-/* The attention after the qkv product, on the cache of dtype KT: append, then one query (decode) or a
- * prompt chunk (local query heads k * gl .. (k + 1) * gl - 1 read local kv head k). */
+/* The attention after the qkv product, on the cache of dtype KT: append, then a query a token
+ * (decoded) or a prompt chunk (local query heads k * gl .. (k + 1) * gl - 1 read local kv head k). */
 template <typename KT> static void attend(Rank *r, GLayer *L, KT *kc, KT *vc, int T, int pos) {
     GpuRank *g = gpu_rank(r);
     const Config *c = r->c;
@@ -2557,12 +2869,12 @@ template <typename KT> static void attend(Rank *r, GLayer *L, KT *kc, KT *vc, in
     int hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, w = qw + 2 * kw, group = c->n_heads / c->n_kv;
     float scale = 1.0f / sqrtf((float)hd);
     LAUNCH(T, 256, 0, g->stream, kv_append_kernel<KT>, kc, vc, g->proj, w, qw, kw, g->pos);
-    if (T == 1) {
-        AttnArgs<KT> a = {.part = g->part, .q = g->proj, .kc = kc, .vc = vc, .pos = g->pos, .kw = kw, .hd = hd, .group = group,
+    if (decoded(g, T)) {   /* token t as a one-token step at pos + t */
+        AttnArgs<KT> a = {.part = g->part, .q = g->proj, .ldq = w, .kc = kc, .vc = vc, .pos = g->pos, .kw = kw, .hd = hd, .group = group,
                           .q0 = s->q0, .kv0 = s->kv0, .scale = scale, .splits = g->splits, .warm = L->o.w,
                           .warm_n = warm_bytes(&L->o)};
-        attn_decode(g->stream, a, s->q);
-        LAUNCH(s->q, 128, 0, g->stream, attn_combine_kernel, g->y, g->part, g->pos, hd, g->splits);
+        attn_decode(g->stream, a, s->q, T);
+        LAUNCH(dim3(s->q, T), 128, 0, g->stream, attn_combine_kernel, g->y, g->part, g->pos, hd, g->splits);
     } else {
         PromptAttnArgs<KT> a = {.y = g->y, .q = g->proj, .kc = kc, .vc = vc, .ldy = qw, .ldq = w, .kw = kw, .hd = hd,
                                 .gl = s->q / s->kv, .T = T, .pos = pos, .scale = scale};
@@ -2578,14 +2890,14 @@ static void gpu_attention(Rank *r, int l, int T, int pos) {
     matmul(g, g->proj, w, g->x, H, T, &L->qkv, EPI_NONE, &L->o, NULL);
     if (lowp(&L->qkv)) attend(r, L, (bf16 *)L->k, (bf16 *)L->v, T, pos);
     else attend(r, L, (float *)L->k, (float *)L->v, T, pos);
-    matmul(g, pend_out(r), H, g->y, qw, T, &L->o, EPI_NONE, first_product(g, c, l + 1), NULL);
+    matmul(g, pend_out(r), H, g->y, qw, T, &L->o, EPI_NONE, next_product(g, c, l), NULL);
 }
 
-/* out = down relu(up x)^2 for T tokens of x (an MLP layer, a shared expert); at T = 1 down's last
+/* out = down relu(up x)^2 for T tokens of x (an MLP layer, a shared expert); decoded, down's last
  * wave warms L2 for `next`. A bf16 prompt applies relu^2 as it converts up's output for down. */
 static void relu2_mlp(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *up, const GMat *down,
                       const GMat *next) {
-    if (T > 1 && lowp(up)) {
+    if (!decoded(g, T) && lowp(up)) {
         int lda;
         const void *a = gemm_input(g, x, ldx, T, up, &lda);
         gemm(g, g->proj, up->rows, a, lda, T, up);
@@ -2600,7 +2912,7 @@ static void relu2_mlp(GpuRank *g, float *out, int ldo, const float *x, int ldx, 
 static void gpu_mlp(Rank *r, int l, int T) {
     GpuRank *g = gpu_rank(r);
     GLayer *L = &g->L[l];
-    relu2_mlp(g, pend_out(r), r->c->hidden, g->x, r->c->hidden, T, &L->up, &L->down, first_product(g, r->c, l + 1));
+    relu2_mlp(g, pend_out(r), r->c->hidden, g->x, r->c->hidden, T, &L->up, &L->down, next_product(g, r->c, l));
 }
 
 /* ---- the mixture-of-experts layer ---- */
@@ -2618,17 +2930,27 @@ static MoeShape moe_shape(const Rank *r) {
     return ms;
 }
 
-/* moe_idx, moe_w = the choice for each of the T tokens of x: at decode one launch; for a prompt the
+/* moe_idx, moe_w = the choice for each of the T tokens of x: decoded, one launch; for a prompt the
  * logits by cuBLAS (fp32), then a block a token. */
 static void moe_choose(GpuRank *g, const GLayer *L, const MoeShape *ms, MoeRoute rt, int T) {
-    if (T == 1) {
+    if (decoded(g, T)) {
         LAUNCH(ms->E, ROUTE_THREADS, 0, g->stream, moe_route_kernel, g->moe_idx, g->moe_w, g->moe_logits, g->moe_done,
-               (const float *)L->gate, (const float *)L->gate_bias, (const float *)g->x, ms->H, rt);
+               (const float *)L->gate, (const float *)L->gate_bias, (const float *)g->x, ms->H, T, rt);
         return;
     }
     blas_gemm(g, g->moe_logits, ms->E, g->x, ms->H, T, L->gate, 0, ms->E, ms->H, ms->H, 0.0f);
     LAUNCH(T, ROUTE_THREADS, 0, g->stream, moe_select_kernel, g->moe_idx, g->moe_w, (const float *)g->moe_logits,
            (const float *)L->gate_bias, rt);
+}
+
+/* The expert kernels for a format class, NT tokens a round. */
+template <int NT> static void (*moe_up_for(int f))(float *, const int *, const float *, const MoeUp) {
+    return f == DT_F32 ? moe_up_kernel<DT_F32, NT> : f == DT_BF16 ? moe_up_kernel<DT_BF16, NT> : f == DT_FP8 ? moe_up_kernel<DT_FP8, NT>
+         : f == DT_NVFP4 ? moe_up_kernel<DT_NVFP4, NT> : moe_up_kernel<FMT_ANY, NT>;
+}
+template <int NT> static void (*moe_down_for(int f))(float *, int, const int *, const MoeDown, int, const void *, size_t, int) {
+    return f == DT_F32 ? moe_down_kernel<DT_F32, NT> : f == DT_BF16 ? moe_down_kernel<DT_BF16, NT> : f == DT_FP8 ? moe_down_kernel<DT_FP8, NT>
+         : f == DT_NVFP4 ? moe_down_kernel<DT_NVFP4, NT> : moe_down_kernel<FMT_ANY, NT>;
 }
 
 /* Launches moe_down_kernel for `rows` output rows (warps a row as gemv_wpr picks for the bytes of the
@@ -2643,19 +2965,16 @@ static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, const 
     int f = fmt_class(fmts, nf);
     int q = f != DT_F32 && f != DT_BF16, wpr = q ? 1 : gemv_wpr(g, &shape), slots = q ? g->gemv_slots / 2 : g->gemv_slots;
     int blocks = q ? cdiv(rows, GEMV_WARPS * QROWS) : cdiv(rows, GEMV_WARPS / wpr);
-    void (*kernel)(float *, int, const int *, const MoeDown, int, const void *, size_t, int) =
-        f == DT_F32 ? moe_down_kernel<DT_F32> : f == DT_BF16 ? moe_down_kernel<DT_BF16> : f == DT_FP8 ? moe_down_kernel<DT_FP8>
-        : f == DT_NVFP4 ? moe_down_kernel<DT_NVFP4> : moe_down_kernel<FMT_ANY>;
-    LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, kernel, out, rows, (const int *)g->moe_idx, md, wpr,
-           next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
+    LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, md.T > 1 ? moe_down_for<GEMV_TOKENS>(f) : moe_down_for<1>(f), out, rows,
+           (const int *)g->moe_idx, md, wpr, next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
 }
 
 /* out = the layer's partial sums for T tokens of x, given the choice in moe_idx, moe_w:
  *   out = [fc2] sum_k w_k down_{idx_k}(relu(up_{idx_k}(z))^2) + sdown(relu(sup(x))^2),  z = [fc1] x
  * Each rank holds 1/n of every expert's intermediate rows, so this is a row-parallel partial sum like
- * any mixer's (fc2 is linear: applied to the rank's own partial latent sum). One token: the shared and
- * chosen experts' up products in one launch, their down products in one more (two for latent MoE,
- * whose fc2 shares the second with the shared expert's down). A prompt: its (token, slot) pairs
+ * any mixer's (fc2 is linear: applied to the rank's own partial latent sum). Decoded tokens: the
+ * shared and chosen experts' up products in one launch, their down products in one more (two for
+ * latent MoE, whose fc2 shares the second with the shared expert's down). A prompt: its (token, slot) pairs
  * grouped by expert on the GPU, then one cuBLAS product per expert with tokens. cuBLAS takes its
  * sizes from the host, so the group sizes are copied back: one sync per layer, in prefill only. */
 static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *out, int T, const GMat *next) {
@@ -2665,21 +2984,20 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
         matmul(g, g->moe_z, ms->lat, g->x, ms->H, T, &L->lat_in, EPI_NONE, NULL, NULL);
         z = g->moe_z;
     }
-    if (T == 1) {
-        MoeUp up = {.routed = {L->eup, z}, .m = m, .K = K, .shared = {L->sup, g->x}, .S = ms->S};
+    if (decoded(g, T)) {   /* h: [T, ldh], a token's slots then its shared expert's rows */
+        int ldh = K * mp + ms->S;
+        MoeUp up = {.routed = {L->eup, z, ms->lat ? ms->lat : ms->H}, .m = m, .K = K, .shared = {L->sup, g->x, ms->H}, .S = ms->S,
+                    .T = T, .ldh = ldh};
         int fmts[2] = {L->eup.fmt, L->sup.fmt}, f = fmt_class(fmts, 2);
-        void (*kernel)(float *, const int *, const float *, const MoeUp) =
-            f == DT_F32 ? moe_up_kernel<DT_F32> : f == DT_BF16 ? moe_up_kernel<DT_BF16> : f == DT_FP8 ? moe_up_kernel<DT_FP8>
-            : f == DT_NVFP4 ? moe_up_kernel<DT_NVFP4> : moe_up_kernel<FMT_ANY>;
-        LAUNCH(cdiv(ms->S + K * m, GEMV_WARPS * (f == DT_F32 || f == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream, kernel,
-               g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);
-        MoeIn routed = {L->edown, g->moe_h}, shared = {L->sdown, g->moe_h + (size_t)K * mp};
+        LAUNCH(cdiv(ms->S + T * K * m, GEMV_WARPS * (f == DT_F32 || f == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream,
+               T > 1 ? moe_up_for<GEMV_TOKENS>(f) : moe_up_for<1>(f), g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);
+        MoeIn routed = {L->edown, g->moe_h, ldh}, shared = {L->sdown, g->moe_h + (size_t)K * mp, ldh};
         if (ms->lat) {
-            MoeIn fc2 = {L->lat_out, g->moe_ylat};
-            moe_down(g, g->moe_ylat, ms->lat, MoeDown{routed, K, ms->lat, mp, {}, 0}, NULL);
-            moe_down(g, out, ms->H, MoeDown{{}, 0, 0, 0, {fc2, shared}, 2}, next);
+            MoeIn fc2 = {L->lat_out, g->moe_ylat, ms->lat};
+            moe_down(g, g->moe_ylat, ms->lat, MoeDown{routed, K, ms->lat, mp, {}, 0, T, ms->lat}, NULL);
+            moe_down(g, out, ms->H, MoeDown{{}, 0, 0, 0, {fc2, shared}, 2, T, ms->H}, next);
         } else {
-            moe_down(g, out, ms->H, MoeDown{routed, K, ms->H, mp, {shared}, 1}, next);
+            moe_down(g, out, ms->H, MoeDown{routed, K, ms->H, mp, {shared}, 1, T, ms->H}, next);
         }
         return;
     }
@@ -2724,7 +3042,7 @@ static void gpu_moe(Rank *r, int l, int T) {
     MoeShape ms = moe_shape(r);
     MoeRoute rt = {c->n_experts, c->top_k, c->n_group, c->topk_group, c->norm_topk, c->routed_scale};
     moe_choose(g, &g->L[l], &ms, rt, T);
-    moe_experts(g, &g->L[l], &ms, pend_out(r), T, first_product(g, c, l + 1));
+    moe_experts(g, &g->L[l], &ms, pend_out(r), T, next_product(g, c, l));
 }
 
 static void gpu_logits(Rank *r, int T, int all) {
@@ -2732,7 +3050,9 @@ static void gpu_logits(Rank *r, int T, int all) {
     const Config *c = r->c;
     int H = c->hidden, Vl = r->s.vocab, rows = all ? T : 1;
     const float *x = g->x + (size_t)(all ? 0 : T - 1) * H;
-    matmul(g, g->logits_local, Vl, x, H, rows, &g->lm_head, EPI_NONE, first_product(g, c, 0), NULL);  /* the next token's */
+    /* the next forward's first product: while drafting, the MTP block's input projection */
+    const GMat *next = c->n_mtp && (r->pass == PASS_MTP || r->spec) ? &g->eh_proj : first_product(g, c, 0);
+    matmul(g, g->logits_local, Vl, x, H, rows, &g->lm_head, EPI_NONE, next, NULL);
     if (r->s.n > 1) {  /* row t of the gathered logits: [rank 0 slice | rank 1 slice | ...] */
         NCCL_CHECK(ncclGroupStart());
         for (int t = 0; t < rows; t++)
@@ -2743,13 +3063,19 @@ static void gpu_logits(Rank *r, int T, int all) {
     g->rows = rows;
 }
 
-static int gpu_sample(Rank *r, float temp, float topp, uint64_t seed, uint64_t step) {
+/* out[j] = a draw from logits row rows - n + j (j < n): a block a row, one copy back, one sync. */
+static void gpu_sample(Rank *r, int n, float temp, float topp, uint64_t seed, uint64_t step, int *out) {
     GpuRank *g = gpu_rank(r);
     int V = r->c->vocab;
-    LAUNCH(1, 1024, SAMPLE_CAND * sizeof(float), g->stream, sample_kernel, g->sampled, g->logits + (size_t)(g->rows - 1) * V, g->probs, V, temp, topp, seed, step);
-    CUDA_CHECK(cudaMemcpyAsync(g->host_io, g->sampled, sizeof(int), cudaMemcpyDeviceToHost, g->stream));
+    if (n < 1 || n > g->rows || n > g->sample_rows) {
+        fprintf(stderr, "nemoh: sample: %d rows asked, %d written, room for %d\n", n, g->rows, g->sample_rows);
+        exit(1);
+    }
+    LAUNCH(n, 1024, SAMPLE_CAND * sizeof(float), g->stream, sample_kernel, g->sampled, g->logits + (size_t)(g->rows - n) * V, g->probs,
+           V, temp, topp, seed, step);
+    CUDA_CHECK(cudaMemcpyAsync(g->host_io, g->sampled, n * sizeof(int), cudaMemcpyDeviceToHost, g->stream));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
-    return g->host_io[0];
+    memcpy(out, g->host_io, n * sizeof(int));
 }
 
 static const float *gpu_host_logits(Rank *r, int rows) {
@@ -2956,6 +3282,13 @@ static size_t mat_bytes(const Mat *m, int rows, int *quant) {
     return gmat_bytes(&d) + (d.fmt == DT_NVFP4 ? (size_t)rows * d.ld / 16 : 0) + (q ? (size_t)rows * 4 : 0);
 }
 
+/* Bytes of one Mamba layer's part of GpuRank.state: its conv window, then its SSM state, each from a
+ * 256-byte boundary. */
+static size_t conv_state_bytes(const Rank *r) { return ((size_t)r->s.conv * 3 * sizeof(float) + 255) / 256 * 256; }
+static size_t mamba_state_bytes(const Rank *r) {
+    return conv_state_bytes(r) + ((size_t)r->s.d_inner * r->c->d_state * sizeof(float) + 255) / 256 * 256;
+}
+
 /* Device bytes this rank needs, counted before anything large is allocated; *quant: whether some
  * matrix is quantized (a prompt then needs deq). */
 static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
@@ -2964,12 +3297,12 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
     const Weights *w = &r->w;
     size_t H = c->hidden, T = r->t_max, f = sizeof(float), b = 0;
     b += mat_bytes(&w->embed, c->vocab, quant) + mat_bytes(&w->lm_head, s->vocab, quant) + H * f;
-    for (int l = 0; l < c->n_layers; l++) {
+    for (int l = 0; l < n_all(c); l++) {
         const Layer *L = &w->layer[l];
         b += H * f;
-        if (L->kind == K_MAMBA)
+        if (L->kind == K_MAMBA)   /* weights; the state (mamba_state_bytes), once live and spec + 1 times kept */
             b += mat_bytes(&L->in_proj[0], s->in_proj, quant) + mat_bytes(&L->out, (int)H, quant) +
-                 ((size_t)s->conv * 8 + 3 * s->m_heads + 2 * s->d_inner + (size_t)s->d_inner * c->d_state) * f;
+                 ((size_t)s->conv * 5 + 3 * s->m_heads + 2 * s->d_inner) * f + (r->spec > 0 ? r->spec + 2 : 1) * mamba_state_bytes(r);
         else if (L->kind == K_ATTN)
             b += mat_bytes(&L->wq, (s->q + 2 * s->kv) * c->head_dim, quant) + mat_bytes(&L->wo, (int)H, quant) +
                  2 * (size_t)r->ctx * s->kv * c->head_dim * (gpu_fmt(&L->wq) == DT_F32 ? 4 : 2);   /* the cache: see GLayer */
@@ -2983,10 +3316,13 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
     }
     if (has_kind(c, K_MOE)) {   /* moe_alloc's buffers */
         size_t TK = T * c->top_k, d = c->latent ? c->latent : H, la = pad8(std::max((int)d, s->moe));
-        b += TK * (3 + la + s->moe + d) * f + T * ((size_t)c->n_experts + 2 * c->latent) * f;
+        b += TK * (3 + la + s->moe + d) * f + T * ((size_t)c->n_experts + 2 * c->latent) * f +
+             (size_t)g->dec_t * (c->top_k * pad8(s->moe) + s->shared) * f;
     }
     b += T * H * (f * 5 + 2) + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
     b += (size_t)gpu_shared((Rank *)r)->logit_rows * (c->vocab + s->vocab) * f + (64u << 20);  /* + cuBLAS workspace */
+    b += (size_t)g->sample_rows * c->vocab * f;
+    if (c->n_mtp) b += 3 * H * f + mat_bytes(&w->eh_proj, (int)H, quant) + T * 2 * H * f;   /* norms, eh_proj, eh */
     return b + (*quant ? DEQ_BYTES : 0);
 }
 
@@ -3004,7 +3340,7 @@ static void moe_alloc(GpuRank *g, const MoeShape *ms, int t) {
     g->moe_w = zeros(TK);
     g->moe_logits = zeros((size_t)t * ms->E);
     g->moe_act = zeros(TK * g->moe_lda);
-    g->moe_h = zeros(std::max(TK * ms->m, (size_t)ms->K * pad8(ms->m) + ms->S));
+    g->moe_h = zeros(std::max(TK * ms->m, (size_t)std::min(t, std::max(g->dec_t, 1)) * (ms->K * pad8(ms->m) + ms->S)));
     g->moe_y = zeros(TK * ms->d);
     g->moe_z = zeros((size_t)t * ms->lat);
     g->moe_ylat = zeros((size_t)t * ms->lat);
@@ -3030,8 +3366,10 @@ static void gpu_init(Rank *r) {
     int hd = c->head_dim;
     g->proj_w = proj_width(c, s);
     g->y_w = y_width(c, s);
-    g->act_w = pad8(std::max({(int)H, g->proj_w, c->latent}));
+    g->act_w = pad8(std::max({(int)H, g->proj_w, c->latent, c->n_mtp ? 2 * (int)H : 0}));   /* MTP: eh_proj's input */
     g->splits = attn_splits(r->ctx);
+    g->dec_t = r->spec > 0 ? std::min(r->spec + 1, (int)DECODE_T) : 1;
+    g->sample_rows = std::max(1, std::min(sh->logit_rows, r->spec + 1));
     g->gemv_slots = gemv_slots(r->gpu);
     CUDA_CHECK(cudaFuncSetAttribute(sample_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SAMPLE_CAND * sizeof(float)));
 
@@ -3056,7 +3394,18 @@ static void gpu_init(Rank *r) {
     if (quant) CUDA_CHECK(cudaMalloc(&g->deq, DEQ_BYTES));
     g->lm_head = upload_mat(&w->lm_head, 1);
     g->norm_f = upload_f32(w->norm_f, H);
-    for (int l = 0; l < c->n_layers; l++) {
+    int n_mamba = 0;   /* the recurrent state, zeros: Mamba layer i's from i * mamba_state_bytes */
+    for (int l = 0; l < n_all(c); l++) n_mamba += c->kind[l] == K_MAMBA;
+    CUDA_CHECK(cudaMalloc(&g->state, n_mamba * mamba_state_bytes(r) + 1));
+    CUDA_CHECK(cudaMemset(g->state, 0, n_mamba * mamba_state_bytes(r) + 1));
+    if (c->n_mtp) {
+        g->enorm = upload_f32(w->enorm, H);
+        g->hnorm = upload_f32(w->hnorm, H);
+        g->eh_proj = upload_mat(&w->eh_proj, 1);
+        g->mtp_norm = upload_f32(w->mtp_norm, H);
+        g->eh = zeros(T * 2 * H);
+    }
+    for (int l = 0; l < n_all(c); l++) {
         const Layer *L = &w->layer[l];
         GLayer *gl = &g->L[l];
         gl->norm = upload_f32(L->norm, H);
@@ -3069,8 +3418,9 @@ static void gpu_init(Rank *r) {
             gl->dt_bias = upload_f32(L->dt_bias, (size_t)s->m_heads);
             gl->gnorm = upload_f32(L->gnorm, (size_t)s->d_inner);
             gl->out = upload_mat(&L->out, 1);
-            gl->conv_st = zeros((size_t)s->conv * 3);
-            gl->ssm = zeros((size_t)s->d_inner * c->d_state);
+            gl->conv_st = (float *)(g->state + g->snap_bytes);
+            gl->ssm = (float *)(g->state + g->snap_bytes + conv_state_bytes(r));
+            g->snap_bytes += mamba_state_bytes(r);
         } else if (L->kind == K_ATTN) {
             Mat qkv[3] = {L->wq, L->wk, L->wv};
             gl->qkv = upload_mat(qkv, 3);
@@ -3104,6 +3454,7 @@ static void gpu_init(Rank *r) {
         MoeShape ms = moe_shape(r);
         moe_alloc(g, &ms, (int)T);
     }
+    if (r->spec > 0) CUDA_CHECK(cudaMalloc(&g->kept, (r->spec + 1) * g->snap_bytes + 1));
 
     /* buffers */
     g->pend = symmetric_window_create(sh->comm[s->rank], 2 * T * H * sizeof(float), s->n);
@@ -3118,16 +3469,16 @@ static void gpu_init(Rank *r) {
     g->xbc = zeros(T * (s->conv ? s->conv : 1));
     g->y = zeros(T * g->y_w);
     CUDA_CHECK(cudaMalloc(&g->act16, T * g->act_w * sizeof(bf16)));
-    g->part = zeros((size_t)(s->q ? s->q : 1) * g->splits * (hd + 2));
-    g->gss = zeros(s->m_heads ? (size_t)s->m_heads * scan_blocks(c->m_hdim, c->d_state) : 1);
+    g->part = zeros((size_t)g->dec_t * (s->q ? s->q : 1) * g->splits * (hd + 2));
+    g->gss = zeros((size_t)g->dec_t * (s->m_heads ? s->m_heads * scan_blocks(c->m_hdim, c->d_state) : 1));
     g->logits_local = zeros((size_t)sh->logit_rows * s->vocab);
     g->logits = s->n > 1 ? zeros((size_t)sh->logit_rows * c->vocab) : g->logits_local;
     CUDA_CHECK(cudaMallocHost(&g->host_logits, (size_t)sh->logit_rows * c->vocab * sizeof(float)));
-    g->probs = zeros((size_t)c->vocab);
+    g->probs = zeros((size_t)g->sample_rows * c->vocab);
     CUDA_CHECK(cudaMalloc(&g->tok, T * sizeof(int)));
     CUDA_CHECK(cudaMalloc(&g->pos, sizeof(int)));
-    CUDA_CHECK(cudaMalloc(&g->sampled, sizeof(int)));
-    CUDA_CHECK(cudaMallocHost(&g->host_io, (T + 2) * sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&g->sampled, g->sample_rows * sizeof(int)));
+    CUDA_CHECK(cudaMallocHost(&g->host_io, (std::max(T, (size_t)g->sample_rows) + 2) * sizeof(int)));
     CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -3136,12 +3487,12 @@ static void gpu_free(Rank *r) {
     const Config *c = r->c;
     CUDA_CHECK(cudaSetDevice(r->gpu));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
-    if (g->captured) CUDA_CHECK(cudaGraphExecDestroy(g->graph));
+    for (int p : {PASS_MAIN, PASS_MTP})
+        if (g->captured[p]) CUDA_CHECK(cudaGraphExecDestroy(g->graph[p]));
     symmetric_window_free(gpu_shared(r)->comm[r->s.rank], &g->pend);
-    for (int l = 0; l < c->n_layers; l++) {
+    for (int l = 0; l < n_all(c); l++) {
         GLayer *gl = &g->L[l];
-        void *ptrs[] = {gl->norm, gl->conv_w, gl->conv_b, gl->A, gl->D, gl->dt_bias, gl->gnorm, gl->conv_st, gl->ssm, gl->k, gl->v,
-                        gl->gate, gl->gate_bias};
+        void *ptrs[] = {gl->norm, gl->conv_w, gl->conv_b, gl->A, gl->D, gl->dt_bias, gl->gnorm, gl->k, gl->v, gl->gate, gl->gate_bias};
         for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
         for (GMat *m : {&gl->in_proj, &gl->out, &gl->qkv, &gl->o, &gl->up, &gl->down, &gl->eup, &gl->edown, &gl->sup, &gl->sdown,
                         &gl->lat_in, &gl->lat_out})
@@ -3149,12 +3500,15 @@ static void gpu_free(Rank *r) {
     }
     free_mat(&g->embed);
     free_mat(&g->lm_head);
-    void *ptrs[] = {g->deq, g->norm_f, g->res, g->x, g->x16, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part,
+    free_mat(&g->eh_proj);
+    void *ptrs[] = {g->deq, g->norm_f, g->enorm, g->hnorm, g->mtp_norm, g->eh, g->res, g->x, g->x16, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part,
                     g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     moe_free(g);
+    CUDA_CHECK(cudaFree(g->state));
     CUDA_CHECK(cudaFree(g->snap));
+    CUDA_CHECK(cudaFree(g->kept));
     CUDA_CHECK(cudaFreeHost(g->host_logits));
     CUDA_CHECK(cudaFreeHost(g->host_io));
     CUBLAS_CHECK(cublasDestroy(g->blas));
@@ -3163,28 +3517,26 @@ static void gpu_free(Rank *r) {
     r->st = NULL;
 }
 
-/* --chat's snapshots: device-to-device copies, in stream order, of every Mamba layer's conv window
- * and SSM state into a slot of one buffer made at the first save, or back. The decode graph reads
- * those same buffers, so a restored state is what its next replay sees. */
+/* --chat's snapshots: a device-to-device copy, in stream order, of every Mamba layer's conv window
+ * and SSM state (state) into a slot of one buffer made at the first save, or back. The decode graph
+ * reads state itself, so a restored state is what its next replay sees. */
 static void gpu_snapshot(Rank *r, int slot, int save) {
     GpuRank *g = gpu_rank(r);
-    const Config *c = r->c;
-    size_t nc = (size_t)r->s.conv * 3 * sizeof(float), ns = (size_t)r->s.d_inner * c->d_state * sizeof(float);
     CUDA_CHECK(cudaSetDevice(r->gpu));
-    if (!g->snap) {
-        for (int l = 0; l < c->n_layers; l++) g->snap_bytes += c->kind[l] == K_MAMBA ? nc + ns : 0;
-        CUDA_CHECK(cudaMalloc(&g->snap, SNAPSHOT_SLOTS * g->snap_bytes + 1));
-    }
+    if (!g->snap) CUDA_CHECK(cudaMalloc(&g->snap, SNAPSHOT_SLOTS * g->snap_bytes + 1));
     char *p = g->snap + slot * g->snap_bytes;
-    for (int l = 0; l < c->n_layers; l++) {
-        if (c->kind[l] != K_MAMBA) continue;
-        GLayer *gl = &g->L[l];
-        CUDA_CHECK(cudaMemcpyAsync(save ? p : (char *)gl->conv_st, save ? (char *)gl->conv_st : p, nc, cudaMemcpyDeviceToDevice,
-                                   g->stream));
-        CUDA_CHECK(cudaMemcpyAsync(save ? p + nc : (char *)gl->ssm, save ? (char *)gl->ssm : p + nc, ns, cudaMemcpyDeviceToDevice,
-                                   g->stream));
-        p += nc + ns;
-    }
+    CUDA_CHECK(cudaMemcpyAsync(save ? p : g->state, save ? g->state : p, g->snap_bytes, cudaMemcpyDeviceToDevice, g->stream));
+}
+
+/* Every Mamba layer's state := the one after token t of the last forward run with r->keep: one copy in
+ * stream order, none where the live state is that one already (after the forward, its last token's). */
+static void gpu_rewind(Rank *r, int t) {
+    GpuRank *g = gpu_rank(r);
+    if (t < 0 || t >= g->kept_n) { fprintf(stderr, "nemoh: rewind to token %d of %d kept\n", t, g->kept_n); exit(1); }
+    if (t == g->kept_live) return;
+    CUDA_CHECK(cudaSetDevice(r->gpu));
+    CUDA_CHECK(cudaMemcpyAsync(g->state, g->kept + t * g->snap_bytes, g->snap_bytes, cudaMemcpyDeviceToDevice, g->stream));
+    g->kept_live = t;
 }
 
 /* Designated initialisers, in the order Backend declares its fields (C++ wants that order). */
@@ -3208,6 +3560,8 @@ extern "C" const Backend cuda_backend = {
     .host_logits = gpu_host_logits,
     .moe = gpu_moe,
     .snapshot = gpu_snapshot,
+    .mtp_in = gpu_mtp_in,
+    .rewind = gpu_rewind,
 };
 
 /* ------------------------------------------------------------------------------------------------

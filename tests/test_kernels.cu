@@ -12,6 +12,7 @@ static std::mt19937_64 rng;
 
 static float uni() { return std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng); }
 static float bf16_round(float v) { return __bfloat162float(__float2bfloat16(v)); }
+static double bf16r(double v, int round) { return round ? (double)bf16_round((float)v) : v; }
 
 static std::vector<float> rand_vec(size_t n, float scale = 1.0f) {
     std::vector<float> v(n);
@@ -61,6 +62,20 @@ static void expect(const char *what, const std::vector<float> &got, const std::v
     int ok = got.size() >= ref.size() && worst <= tol;
     printf("%-7s %-62s rel err %.2e (tol %.0e)\n", ok ? "ok" : "FAILED", what, worst, tol);
     ok ? n_pass++ : n_fail++;
+}
+
+/* got == want bit for bit (the same computation reached by another path): the count of elements that
+ * differ, and the largest difference among them */
+static void expect_same(const char *what, const std::vector<float> &got, const std::vector<float> &want) {
+    size_t bad = got.size() != want.size() ? 1 : 0;
+    double worst = 0;
+    for (size_t i = 0; i < got.size() && i < want.size(); i++)
+        if (memcmp(&got[i], &want[i], sizeof(float))) {
+            bad++;
+            worst = fmax(worst, fabs((double)got[i] - want[i]));
+        }
+    printf("%-7s %-62s %zu of %zu differ (max %.2e)\n", bad ? "FAILED" : "ok", what, bad, want.size(), worst);
+    bad ? n_fail++ : n_pass++;
 }
 
 static void expect_int(const char *what, int got, int want) {
@@ -170,6 +185,58 @@ static void test_matmul(int fmt, int rows, int cols, int T, int epi) {
     free_rank(&g);
 }
 
+/* ---- a few tokens' product as a decoded step runs it (a verify step), in every format and epilogue:
+ * one launch of the several-token kernel against T launches of the one-token kernel, bit for bit, and
+ * against float64; x and out with row strides of their own (x's padding NaN: a read past a row
+ * shows); EPI_GNORM with each token's own partial sums of u^2 ---- */
+static void test_gemv_tokens(int fmt, int rows, int cols, int T, int epi, int groups = 1) {
+    HostMat h = host_mat(fmt, rows, cols, 1.0f / sqrtf((float)cols));
+    Mat m = view(h, 0, rows, 0, cols);
+    GMat W = upload_mat(&m, 1);
+    int ldx = (cols + 3) / 4 * 4 + 4, ldo = rows + 3, gsize = cols / groups, parts = 3;
+    std::vector<float> x((size_t)T * ldx, NAN), ss((size_t)T * groups * parts);
+    for (int t = 0; t < T; t++) for (int k = 0; k < cols; k++) x[(size_t)t * ldx + k] = uni();
+    for (auto &v : ss) v = 0.5f + (uni() + 1) * gsize;
+    GpuRank g = make_rank(8);
+    g.dec_t = T;
+    float *dx = dev_copy(x), *dss = dev_copy(ss), *many = dev_copy(std::vector<float>((size_t)T * ldo, NAN));
+    float *one = dev_copy(std::vector<float>((size_t)T * ldo, NAN));
+    GroupScale gs = {dss, parts, gsize, 1e-5f, (size_t)groups * parts};
+    matmul(&g, many, ldo, dx, ldx, T, &W, epi, &W, epi == EPI_GNORM ? &gs : nullptr);
+    for (int t = 0; t < T; t++) {
+        GroupScale g1 = gs;
+        g1.ss += (size_t)t * gs.step;
+        matmul(&g, one + (size_t)t * ldo, ldo, dx + (size_t)t * ldx, ldx, 1, &W, epi, &W, epi == EPI_GNORM ? &g1 : nullptr);
+    }
+    std::vector<float> got_many = host_copy(many, (size_t)T * ldo), got_one = host_copy(one, (size_t)T * ldo), a, b;
+    std::vector<double> ref;
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < rows; i++) {
+            double acc = 0;
+            for (int k = 0; k < cols; k++) {
+                double sc = 1;
+                if (epi == EPI_GNORM) {
+                    double sum = 0;
+                    for (int j = 0; j < parts; j++) sum += ss[((size_t)t * groups + k / gsize) * parts + j];
+                    sc = 1 / sqrt(sum / gsize + 1e-5);
+                }
+                acc += (double)h.v[(size_t)i * cols + k] * x[(size_t)t * ldx + k] * sc;
+            }
+            if (epi == EPI_RELU2) acc = acc > 0 ? acc * acc : 0;
+            ref.push_back(acc);
+            a.push_back(got_many[(size_t)t * ldo + i]);
+            b.push_back(got_one[(size_t)t * ldo + i]);
+        }
+    char what[160];
+    snprintf(what, sizeof what, "gemv %s %dx%d, %d tokens in one launch%s = one by one", fmt_name(fmt), rows, cols, T,
+             epi == EPI_RELU2 ? ", relu^2" : epi == EPI_GNORM ? ", group scales" : "");
+    expect_same(what, a, b);
+    expect("... against float64", a, ref, 2e-5);
+    free_mat(&W);
+    for (float *p : {dx, dss, many, one}) CUDA_CHECK(cudaFree(p));
+    free_rank(&g);
+}
+
 /* ---- embedding gather, RMSNorm with and without the residual add ---- */
 static void test_norms(int hidden, int T) {
     std::vector<float> res = rand_vec((size_t)T * hidden, 3.0f), add = rand_vec((size_t)T * hidden), w = rand_vec(hidden);
@@ -222,6 +289,75 @@ static void test_norms(int hidden, int T) {
     CUDA_CHECK(cudaFree(dtok));
 }
 
+/* ---- the MTP block's input (be->mtp_in): res[t] = eh_proj [enorm(embed[tok[t]]) ; hnorm(x[row + t])], the
+ * embedding table in fe, eh_proj in fw; x rows other than row .. row + T - 1 are NaN, so a wrong row
+ * shows. The two norms against float64; the product against float64 on the GPU's own eh (rounded to
+ * bf16 where cuBLAS takes a prompt's bf16 operands: W's values too) ---- */
+static void test_mtp_in(int fe, int fw, int H, int T, int row, int dec_t) {
+    int V = 41, t_max = row + T + 2;
+    float eps = 1e-5f;
+    HostMat emb = host_mat(fe, V, H, 1.0f), W = host_mat(fw, H, 2 * H, 1.0f / sqrtf(2.0f * H));
+    std::vector<float> x((size_t)t_max * H, NAN), en = rand_vec(H), hn = rand_vec(H);
+    for (size_t i = (size_t)row * H; i < (size_t)(row + T) * H; i++) x[i] = 3 * uni();
+    std::vector<int> tok(T);
+    for (auto &t : tok) t = (int)(rng() % V);
+    Config c;
+    memset(&c, 0, sizeof c);
+    c.hidden = H;
+    c.eps = eps;
+    c.n_mtp = 1;
+    GpuRank g = make_rank((size_t)T * pad8(2 * H));
+    g.act_w = pad8(2 * H);
+    g.dec_t = dec_t;
+    Mat ev = view(emb, 0, V, 0, H), wv = view(W, 0, H, 0, 2 * H);
+    g.embed = upload_mat(&ev, 1);
+    g.eh_proj = upload_mat(&wv, 1);
+    g.enorm = dev_copy(en);
+    g.hnorm = dev_copy(hn);
+    g.x = dev_copy(x);
+    g.eh = dev_copy(std::vector<float>((size_t)T * 2 * H, NAN));
+    g.res = dev_copy(std::vector<float>((size_t)T * H, NAN));
+    CUDA_CHECK(cudaMalloc(&g.tok, T * sizeof(int)));
+    CUDA_CHECK(cudaMemcpy(g.tok, tok.data(), T * sizeof(int), cudaMemcpyHostToDevice));
+    Rank r;
+    memset(&r, 0, sizeof r);
+    r.c = &c;
+    r.st = &g;
+    r.t_max = t_max;
+    gpu_mtp_in(&r, tok.data(), T, row);
+    std::vector<float> eh = host_copy(g.eh, (size_t)T * 2 * H);
+    std::vector<double> ref_eh((size_t)T * 2 * H), ref((size_t)T * H);
+    int rb = T > dec_t && fw != DT_F32;   /* cuBLAS on bf16 operands */
+    for (int t = 0; t < T; t++) {
+        for (int half = 0; half < 2; half++) {
+            double ss = 0;
+            for (int i = 0; i < H; i++) {
+                double v = half ? x[(size_t)(row + t) * H + i] : emb.v[(size_t)tok[t] * H + i];
+                ss += v * v;
+            }
+            for (int i = 0; i < H; i++) {
+                double v = half ? x[(size_t)(row + t) * H + i] : emb.v[(size_t)tok[t] * H + i];
+                ref_eh[((size_t)t * 2 + half) * H + i] = v / sqrt(ss / H + eps) * (half ? hn[i] : en[i]);
+            }
+        }
+        for (int i = 0; i < H; i++) {
+            double a = 0;
+            for (int k = 0; k < 2 * H; k++) a += bf16r(W.v[(size_t)i * 2 * H + k], rb) * bf16r(eh[(size_t)t * 2 * H + k], rb);
+            ref[(size_t)t * H + i] = a;
+        }
+    }
+    char what[160];
+    snprintf(what, sizeof what, "mtp_in %s embedding, hidden %d, %d token%s from row %d: [enorm(e) ; hnorm(h)]", fmt_name(fe), H, T,
+             T > 1 ? "s" : "", row);
+    expect(what, eh, ref_eh, 1e-5);
+    snprintf(what, sizeof what, "... eh_proj %s (%s)", fmt_name(fw), T > dec_t ? "cuBLAS" : T > 1 ? "multi-token gemv" : "gemv");
+    expect(what, host_copy(g.res, ref.size()), ref, 2e-5);
+    free_mat(&g.embed);
+    free_mat(&g.eh_proj);
+    for (void *p : {(void *)g.enorm, (void *)g.hnorm, (void *)g.x, (void *)g.eh, (void *)g.res, (void *)g.tok}) CUDA_CHECK(cudaFree(p));
+    free_rank(&g);
+}
+
 /* ---- host, float64: the selective scan of T steps, the same steps as nemoh.c's cpu_mamba:
  * dt = softplus(dt_raw + dt_bias), S = exp(dt A) S + dt x B^T, y = S C + D x. proj rows are
  * z | xBC | dt (width in), xbc rows x | B | C; ssm (heads*hdim x N) carries the state over. ---- */
@@ -247,6 +383,15 @@ static std::vector<double> ref_scan(const std::vector<float> &proj, int in, cons
     return y;
 }
 
+/* A scan's inputs as gpu_mamba lays them out: proj rows z | xBC | dt (width in), xbc rows x | B | C. */
+static ScanArgs scan_args(float *y, float *ssm, const float *xbc, const float *proj, int in, const float *A, const float *D,
+                          const float *dtb, int T, int heads, int hdim, int groups, int N) {
+    int di = heads * hdim, cv = di + 2 * groups * N;
+    return ScanArgs{.y = y, .ssm = ssm, .xbc = xbc, .proj = proj, .ld_proj = in, .dt_off = di + cv, .A = A, .D = D, .dt_bias = dtb,
+                    .T = T, .heads = heads, .hdim = hdim, .groups = groups, .d_inner = di, .chunk = 0, .warm = nullptr, .warm_n = 0,
+                    .gw = nullptr, .gss = nullptr};
+}
+
 /* ---- Mamba2: conv + state, the selective scan + state, the gated group norm, over several calls; at a
  * single step whose groups are whole 16-byte pieces, the gated norm as decode folds it: the scan gates
  * and out_proj (a random one here, 37 x di) scales the groups (EPI_GNORM) ---- */
@@ -266,15 +411,20 @@ static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> 
     GpuRank gr = make_rank(1);
     float *d_gss = dev_copy(std::vector<float>((size_t)heads * scan_blocks(hdim, N))), *d_out = dev_copy(std::vector<float>(rows));
     for (int T : steps) {
-        int fold = gnorm_folds(T, heads, hdim, N, gs, fmt_per(fmt));
+        int fold = gnorm_folds(T == 1, heads, hdim, N, gs, fmt_per(fmt));
         std::vector<float> proj = rand_vec((size_t)T * in);
         float *d_proj = dev_copy(proj), *d_xbc = dev_copy(std::vector<float>((size_t)T * cv)), *d_y = dev_copy(std::vector<float>((size_t)T * di));
-        LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv);
+        LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv,
+               (float *)nullptr, (size_t)0);
         if (T > 1) {
             LAUNCH(cdiv(cv, 128), 128, 0, 0, conv_state_kernel, d_cst, d_proj + di, in, T, cv);
         }
-        ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di, d_proj, (size_t)T * in * sizeof(float),
-                 fold ? d_gw : nullptr, fold ? d_gss : nullptr);
+        ScanArgs sa = scan_args(d_y, d_ssm, d_xbc, d_proj, in, d_A, d_D, d_dtb, T, heads, hdim, groups, N);
+        sa.warm = d_proj;
+        sa.warm_n = (size_t)T * in * sizeof(float);
+        sa.gw = fold ? d_gw : nullptr;
+        sa.gss = fold ? d_gss : nullptr;
+        ssm_scan(0, sa, N);
         std::vector<float> y_scan = host_copy(d_y, (size_t)T * di);
         GroupScale gsc = {d_gss, heads / groups * scan_blocks(hdim, N), gs, 1e-5f};
         bf16 *d_u16 = dev_copy_as<bf16>(std::vector<float>((size_t)T * di, NAN));
@@ -340,6 +490,94 @@ static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> 
     free_rank(&gr);
 }
 
+/* ---- keep + rewind: a step of T tokens whose recurrent states are kept (gpu_begin with r->keep, then
+ * conv + scan as gpu_mamba launches them, gated where one token's decode is) against T one-token
+ * steps from the same random state: outputs and the scan's sums of u^2 bit for bit; then rewind(t)
+ * in a shuffled order (the last token's among them, not first): every state bit for bit the one
+ * after token t ---- */
+static void test_keep(int heads, int hdim, int groups, int N, int T) {
+    int di = heads * hdim, cv = di + 2 * groups * N, in = di + cv + heads + 3, gs = di / groups;
+    std::vector<float> cw = rand_vec((size_t)cv * 4, 0.5f), cb = rand_vec(cv, 0.2f), A(heads), D = rand_vec(heads), dtb(heads),
+        gw = rand_vec(di), proj = rand_vec((size_t)T * in);
+    for (int h = 0; h < heads; h++) { A[h] = -(1.0f + 15.0f * (uni() + 1) / 2); dtb[h] = -3.0f + uni(); }
+    Config c;
+    memset(&c, 0, sizeof c);
+    c.d_state = N;
+    Rank r;
+    memset(&r, 0, sizeof r);
+    r.c = &c;
+    r.s.conv = cv;
+    r.s.d_inner = di;
+    r.spec = T + 1;   /* more slots than this step uses */
+    r.keep = 1;
+    r.pass = PASS_MAIN;
+    GpuRank g = make_rank(8);
+    r.st = &g;
+    g.snap_bytes = mamba_state_bytes(&r);
+    std::vector<float> st0 = rand_vec(g.snap_bytes / sizeof(float));
+    g.state = (char *)dev_copy(st0);
+    g.kept = (char *)dev_copy(std::vector<float>((r.spec + 1) * g.snap_bytes / sizeof(float), NAN));
+    CUDA_CHECK(cudaMalloc(&g.tok, T * sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&g.pos, sizeof(int)));
+    CUDA_CHECK(cudaMallocHost(&g.host_io, (T + 2) * sizeof(int)));
+    float *conv_st = (float *)g.state, *ssm = (float *)(g.state + conv_state_bytes(&r));
+    int fold = gnorm_folds(1, heads, hdim, N, gs, fmt_per(DT_BF16)), nss = heads * scan_blocks(hdim, N);
+    float *d_cw = dev_copy(cw), *d_cb = dev_copy(cb), *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb), *d_gw = dev_copy(gw);
+    float *d_proj = dev_copy(proj), *d_xbc = dev_copy(std::vector<float>((size_t)T * cv)), *d_y = dev_copy(std::vector<float>((size_t)T * di));
+    float *d_gss = dev_copy(std::vector<float>((size_t)T * nss));
+    auto step = [&](int t0, int n, int keep) {   /* tokens t0 .. t0 + n - 1, as gpu_mamba runs them */
+        size_t slot = g.snap_bytes / sizeof(float);
+        LAUNCH(dim3(cdiv(cv, 128), cdiv(n, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc + (size_t)t0 * cv, (const float *)d_proj + (size_t)t0 * in + di,
+               in, conv_st, (const float *)d_cw, (const float *)d_cb, n, cv, keep ? kept_at(&g, conv_st) : (float *)nullptr, slot);
+        if (n > 1) LAUNCH(cdiv(cv, 128), 128, 0, 0, conv_state_kernel, conv_st, (const float *)d_proj + (size_t)t0 * in + di, in, n, cv);
+        ScanArgs sa = scan_args(d_y + (size_t)t0 * di, ssm, d_xbc + (size_t)t0 * cv, d_proj + (size_t)t0 * in, in, d_A, d_D, d_dtb, n, heads,
+                                hdim, groups, N);
+        sa.gw = fold ? d_gw : nullptr;
+        sa.gss = fold ? d_gss + (size_t)t0 * nss : nullptr;
+        sa.keep = keep ? kept_at(&g, ssm) : nullptr;
+        sa.keep_step = slot;
+        ssm_scan(0, sa, N);
+    };
+    auto state = [&]() {   /* the conv window and the SSM state, without the padding between them */
+        std::vector<float> v = host_copy((float *)g.state, st0.size());
+        v.erase(v.begin() + (size_t)cv * 3, v.begin() + conv_state_bytes(&r) / sizeof(float));
+        v.resize((size_t)cv * 3 + (size_t)di * N);
+        return v;
+    };
+    std::vector<std::vector<float>> after(T);   /* the state after each token, one token at a time */
+    for (int t = 0; t < T; t++) {
+        step(t, 1, 0);
+        after[t] = state();
+    }
+    std::vector<float> y1 = host_copy(d_y, (size_t)T * di), gss1 = host_copy(d_gss, (size_t)T * nss);
+    CUDA_CHECK(cudaMemcpy(g.state, st0.data(), g.snap_bytes, cudaMemcpyHostToDevice));
+    std::vector<int> tok(T, 0);
+    gpu_begin(&r, tok.data(), T, 0);
+    step(0, T, 1);
+    char what[160];
+    snprintf(what, sizeof what, "keep: %d tokens, heads %d x %d, N %d%s: outputs = one token at a time", T, heads, hdim, N,
+             fold ? ", gated" : "");
+    expect_same(what, host_copy(d_y, (size_t)T * di), y1);
+    if (fold) expect_same("... the scan's sums of u^2, token by token", host_copy(d_gss, (size_t)T * nss), gss1);
+    expect_same("... the live state after the step = after its last token", state(), after[T - 1]);
+    std::vector<int> order(T);
+    for (int t = 0; t < T; t++) order[t] = t;   /* T - 1 last: after others, it must copy */
+    std::shuffle(order.begin(), order.end() - 1, rng);
+    int bad = 0;
+    for (int t : order) {
+        gpu_rewind(&r, t);
+        std::vector<float> got = state();
+        bad += memcmp(got.data(), after[t].data(), got.size() * sizeof(float)) != 0;
+    }
+    snprintf(what, sizeof what, "... rewind(t), t in a shuffled order: states unlike token t's (of %d)", T);
+    expect_int(what, bad, 0);
+    for (void *p : {(void *)d_cw, (void *)d_cb, (void *)d_A, (void *)d_D, (void *)d_dtb, (void *)d_gw, (void *)d_proj, (void *)d_xbc,
+                    (void *)d_y, (void *)d_gss, (void *)g.state, (void *)g.kept, (void *)g.tok, (void *)g.pos})
+        CUDA_CHECK(cudaFree(p));
+    CUDA_CHECK(cudaFreeHost(g.host_io));
+    free_rank(&g);
+}
+
 /* ---- the chunked SSD scan (prompts of bf16 models) over several calls from a random state, then a
  * decode step by the step-by-step scan from the state it left: outputs and state against float64,
  * and against the step-by-step scan run beside it on the same inputs. TF32 operands: 5e-3. ---- */
@@ -354,9 +592,10 @@ static void test_ssd(int heads, int hdim, int groups, int N, std::vector<int> st
         std::vector<float> proj = rand_vec((size_t)T * in), xbc = rand_vec((size_t)T * cv);
         float *d_proj = dev_copy(proj), *d_xbc = dev_copy(xbc), *d_y = dev_copy(std::vector<float>((size_t)T * di, NAN));
         float *d_y2 = dev_copy(std::vector<float>((size_t)T * di, NAN));
-        if (T > 1) ssd_scan(0, d_y, d_ssd, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di);
-        else ssm_scan(0, d_y, d_ssd, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di, nullptr, 0, nullptr, nullptr);
-        ssm_scan(0, d_y2, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di, nullptr, 0, nullptr, nullptr);
+        ScanArgs sa = scan_args(d_y, d_ssd, d_xbc, d_proj, in, d_A, d_D, d_dtb, T, heads, hdim, groups, N);
+        if (T > 1) ssd_scan(0, sa, N);
+        else ssm_scan(0, sa, N);
+        ssm_scan(0, scan_args(d_y2, d_ssm, d_xbc, d_proj, in, d_A, d_D, d_dtb, T, heads, hdim, groups, N), N);
         std::vector<double> y = ref_scan(proj, in, std::vector<double>(xbc.begin(), xbc.end()), ssm, A, D, dtb, T, heads, hdim, groups, N);
         std::vector<float> got = host_copy(d_y, y.size()), got_st = host_copy(d_ssd, ssm.size());
         std::vector<float> scan = host_copy(d_y2, y.size()), scan_st = host_copy(d_ssm, ssm.size());
@@ -393,7 +632,7 @@ template <typename KT> static void test_attention(int q, int kv, int hd, int pos
     LAUNCH(1, 256, 0, 0, kv_append_kernel<KT>, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
     AttnArgs<KT> a = {.part = d_part, .q = d_qkv, .kc = d_k, .vc = d_v, .pos = d_pos, .kw = kw, .hd = hd, .group = group,
                       .q0 = 0, .kv0 = 0, .scale = scale, .splits = splits, .warm = d_k, .warm_n = (size_t)ctx * kw * sizeof(KT)};
-    attn_decode(0, a, q);
+    attn_decode(0, a, q, 1);
     LAUNCH(q, 128, 0, 0, attn_combine_kernel, d_y, d_part, d_pos, hd, splits);
     for (int i = 0; i < kw; i++) { kc[(size_t)pos * kw + i] = op(qkv[q * hd + i]); vc[(size_t)pos * kw + i] = op(qkv[q * hd + kw + i]); }
     for (int i = 0; i < q * hd; i++) qkv[i] = op(qkv[i]);   /* the bf16 kernel's queries are bf16 too */
@@ -425,6 +664,70 @@ template <typename KT> static void test_attention(int q, int kv, int hd, int pos
     expect(bf ? "kv cache append (bf16): values" : "kv cache append (fp32): values", host_copy_as(d_v, rows), vref, 0);
     for (void *p : {(void *)d_k, (void *)d_v, (void *)d_qkv, (void *)d_y, (void *)d_part}) CUDA_CHECK(cudaFree(p));
     CUDA_CHECK(cudaFree(d_pos));
+}
+
+/* ---- a few tokens' decode attention (a verify step): T queries from position pos appended to the
+ * cache, then each token's query against keys 0..pos + t in one launch, against T one-token steps at
+ * positions pos .. pos + T - 1, bit for bit, and against float64 (cache rows past the step NaN) ---- */
+template <typename KT> static void test_attention_tokens(int q, int kv, int hd, int pos, int T, int ctx) {
+    int group = q / kv, kw = kv * hd, w = q * hd + 2 * kw, splits = attn_splits(ctx), bf = sizeof(KT) == 2;
+    auto op = [&](float v) { return bf ? bf16_round(v) : v; };
+    std::vector<float> kc = rand_vec((size_t)ctx * kw), vc = rand_vec((size_t)ctx * kw), qkv = rand_vec((size_t)T * w);
+    for (size_t i = (size_t)(pos + T) * kw; i < kc.size(); i++) kc[i] = vc[i] = NAN;
+    for (int t = 0; t < T; t++) for (int i = 0; i < q * hd; i++) qkv[(size_t)t * w + i] *= 4.0f;   /* peaked: a key too many shows */
+    KT *d_k = dev_copy_as<KT>(kc), *d_v = dev_copy_as<KT>(vc);
+    float *d_qkv = dev_copy(qkv), *many = dev_copy(std::vector<float>((size_t)T * q * hd, NAN));
+    float *one = dev_copy(std::vector<float>((size_t)T * q * hd, NAN));
+    float *d_part = dev_copy(std::vector<float>((size_t)T * q * splits * (hd + 2)));
+    int *d_pos;
+    CUDA_CHECK(cudaMalloc(&d_pos, (T + 1) * sizeof(int)));
+    std::vector<int> ps(T + 1);
+    for (int t = 0; t <= T; t++) ps[t] = pos + (t ? t - 1 : 0);   /* the step's first position, then each token's */
+    CUDA_CHECK(cudaMemcpy(d_pos, ps.data(), (T + 1) * sizeof(int), cudaMemcpyHostToDevice));
+    float scale = 1.0f / sqrtf((float)hd);
+    LAUNCH(T, 256, 0, 0, kv_append_kernel<KT>, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
+    AttnArgs<KT> a = {.part = d_part, .q = d_qkv, .ldq = w, .kc = d_k, .vc = d_v, .pos = d_pos, .kw = kw, .hd = hd, .group = group,
+                      .q0 = 0, .kv0 = 0, .scale = scale, .splits = splits, .warm = nullptr, .warm_n = 0};
+    attn_decode(0, a, q, T);
+    LAUNCH(dim3(q, T), 128, 0, 0, attn_combine_kernel, many, d_part, d_pos, hd, splits);
+    for (int t = 0; t < T; t++) {
+        AttnArgs<KT> a1 = a;
+        a1.q = d_qkv + (size_t)t * w;
+        a1.pos = d_pos + 1 + t;
+        attn_decode(0, a1, q, 1);
+        LAUNCH(q, 128, 0, 0, attn_combine_kernel, one + (size_t)t * q * hd, d_part, (const int *)d_pos + 1 + t, hd, splits);
+    }
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < kw; i++) {
+            kc[(size_t)(pos + t) * kw + i] = op(qkv[(size_t)t * w + q * hd + i]);
+            vc[(size_t)(pos + t) * kw + i] = op(qkv[(size_t)t * w + q * hd + kw + i]);
+        }
+    std::vector<double> ref((size_t)T * q * hd);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < q; h++) {
+            int g = h / group, n = pos + t + 1;
+            std::vector<double> sc(n);
+            double mx = -1e300, sum = 0;
+            for (int j = 0; j < n; j++) {
+                double d = 0;
+                for (int i = 0; i < hd; i++) d += (double)op(qkv[(size_t)t * w + h * hd + i]) * op(kc[(size_t)j * kw + g * hd + i]);
+                sc[j] = d * scale;
+                mx = fmax(mx, sc[j]);
+            }
+            for (int j = 0; j < n; j++) sum += sc[j] = exp(sc[j] - mx);
+            for (int i = 0; i < hd; i++) {
+                double acc = 0;
+                for (int j = 0; j < n; j++) acc += sc[j] * op(vc[(size_t)j * kw + g * hd + i]);
+                ref[((size_t)t * q + h) * hd + i] = acc / sum;
+            }
+        }
+    std::vector<float> got = host_copy(many, ref.size());
+    char what[160];
+    snprintf(what, sizeof what, "attention decode %s cache q %d / kv %d, head %d, %d queries from %d = one by one", bf ? "bf16" : "fp32",
+             q, kv, hd, T, pos);
+    expect_same(what, got, host_copy(one, ref.size()));
+    expect("... against float64", got, ref, bf ? 1e-2 : 1e-5);
+    for (void *p : {(void *)d_k, (void *)d_v, (void *)d_qkv, (void *)many, (void *)one, (void *)d_part, (void *)d_pos}) CUDA_CHECK(cudaFree(p));
 }
 
 /* ---- prompt attention: a chunk of T tokens from position pos (the cache holds pos keys before it)
@@ -582,8 +885,6 @@ static void test_moe_router(int E, int K, int n_group, int topk_group, int norm,
     CUDA_CHECK(cudaFree(L.gate_bias));
 }
 
-static double bf16r(double v, int round) { return round ? (double)bf16_round((float)v) : v; }
-
 /* The experts' products for T tokens (T = 1: decode's kernels; else the grouped cuBLAS path) on a
  * random choice, against float64: routed experts in format fe, the shared expert and the latent
  * projections in fs (NVFP4 experts beside FP8 shared ones, as Super's release mixes them). Expert e's
@@ -712,6 +1013,63 @@ static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hi
     free_rank(&g);
 }
 
+/* ---- a MoE layer's decode for a few tokens (a verify step): the router and the experts' kernels over
+ * T tokens in one launch each, against T one-token steps, bit for bit: choices, weights, outputs.
+ * Experts in fe, shared expert and latent projections in fs (synthetic weights drawn on the device). ---- */
+static void test_moe_tokens(int fe, int fs, int E, int K, int m, int S, int hidden, int lat, int T) {
+    int d = lat ? lat : hidden;
+    MoeShape ms = {E, K, m, S, hidden, lat, d};
+    MoeRoute rt = {E, K, 1, 1, 1, 2.5f};
+    auto sc = [](int fmt, int cols) { return fmt == DT_FP8 ? 0.05f / sqrtf((float)cols) : fmt == DT_NVFP4 ? 0.5f / sqrtf((float)cols) : 1.0f; };
+    Mat eu = {NULL, fe, E * m, d, (size_t)d, NULL, 0, sc(fe, d)}, ed = {NULL, fe, E * d, m, (size_t)m, NULL, 0, sc(fe, m)},
+        su = {NULL, fs, S, hidden, (size_t)hidden, NULL, 0, sc(fs, hidden)}, sd = {NULL, fs, hidden, S, (size_t)S, NULL, 0, sc(fs, S)},
+        li = {NULL, fs, lat, hidden, (size_t)hidden, NULL, 0, sc(fs, hidden)}, lo = {NULL, fs, hidden, lat, (size_t)lat, NULL, 0, sc(fs, lat)};
+    GLayer L;
+    memset(&L, 0, sizeof L);
+    L.eup = upload_mat(&eu, 1);
+    L.edown = upload_mat(&ed, 1);
+    L.sup = upload_mat(&su, 1);
+    L.sdown = upload_mat(&sd, 1);
+    if (lat) { L.lat_in = upload_mat(&li, 1); L.lat_out = upload_mat(&lo, 1); }
+    L.gate = dev_copy(rand_vec((size_t)E * hidden, 3.0f / sqrtf((float)hidden)));
+    L.gate_bias = dev_copy(rand_vec(E, 0.05f));
+    GpuRank g = make_rank(8);
+    g.dec_t = T;
+    moe_alloc(&g, &ms, T);
+    float *x = dev_copy(rand_vec((size_t)T * hidden)), *many = dev_copy(std::vector<float>((size_t)T * hidden, NAN));
+    float *one = dev_copy(std::vector<float>((size_t)T * hidden, NAN));
+    g.x = x;
+    moe_choose(&g, &L, &ms, rt, T);
+    moe_experts(&g, &L, &ms, many, T, nullptr);
+    std::vector<int> idx_many((size_t)T * K), idx_one((size_t)T * K);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(idx_many.data(), g.moe_idx, idx_many.size() * sizeof(int), cudaMemcpyDeviceToHost));
+    std::vector<float> w_many = host_copy(g.moe_w, (size_t)T * K), w_one;
+    for (int t = 0; t < T; t++) {
+        g.x = x + (size_t)t * hidden;
+        moe_choose(&g, &L, &ms, rt, 1);
+        moe_experts(&g, &L, &ms, one + (size_t)t * hidden, 1, nullptr);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        CUDA_CHECK(cudaMemcpy(idx_one.data() + (size_t)t * K, g.moe_idx, K * sizeof(int), cudaMemcpyDeviceToHost));
+        std::vector<float> w1 = host_copy(g.moe_w, K);
+        w_one.insert(w_one.end(), w1.begin(), w1.end());
+    }
+    std::vector<float> out_many = host_copy(many, (size_t)T * hidden);
+    int finite = 1;
+    for (float v : out_many) finite &= std::isfinite(v);
+    char what[160];
+    snprintf(what, sizeof what, "moe decode %s/%s: %d experts top %d, %d / shared %d rows, hidden %d, latent %d, %d tokens: choices",
+             fmt_name(fe), fmt_name(fs), E, K, m, S, hidden, lat, T);
+    expect_int(what, idx_many == idx_one ? 0 : 1, 0);
+    expect_same("... their weights = one token at a time", w_many, w_one);
+    expect_same("... the layer's output = one token at a time", out_many, host_copy(one, (size_t)T * hidden));
+    expect_int("... the output is finite", finite, 1);
+    for (GMat *p : {&L.eup, &L.edown, &L.sup, &L.sdown, &L.lat_in, &L.lat_out}) free_mat(p);
+    for (void *p : {(void *)L.gate, (void *)L.gate_bias, (void *)x, (void *)many, (void *)one}) CUDA_CHECK(cudaFree(p));
+    moe_free(&g);
+    free_rank(&g);
+}
+
 /* ---- sampling: argmax (first of tied maxima), and the top-p draw against the host rule ---- */
 static int host_pick(const std::vector<float> &p, float topp, uint64_t seed, uint64_t step) {
     double total = 0;
@@ -788,6 +1146,311 @@ static void test_sampling(int V, int peaked) {
     CUDA_CHECK(cudaFree(dout));
 }
 
+/* ---- be->sample over n rows at once (gpu_sample: a block a row, one copy back): row j of the last n
+ * logits rows is drawn with coin(seed, step + j), the same token as the one-row kernel gives on that
+ * row alone and as the host rule on its probabilities; a row with a NaN gives -1 and leaves the
+ * others alone. Rows alternate peaked and flat; at temp 0 each row's maximum is tied twice. ---- */
+static void test_sample_rows(int V, int rows, int n, float temp, float topp) {
+    std::vector<float> l((size_t)rows * V);
+    for (int j = 0; j < rows; j++) {
+        std::vector<float> row = sampling_logits(V, j & 1);
+        int a = (int)(rng() % V), b = (int)(rng() % V);
+        row[a] = row[b] = 9.0f;
+        std::copy(row.begin(), row.end(), l.begin() + (size_t)j * V);
+    }
+    int nan_row = n > 2 ? rows - n + 1 : -1;   /* the second of the n rows */
+    if (nan_row >= 0) l[(size_t)nan_row * V + rng() % V] = NAN;
+    Config c;
+    memset(&c, 0, sizeof c);
+    c.vocab = V;
+    GpuRank g = make_rank(8);
+    g.logits = dev_copy(l);
+    g.rows = rows;
+    g.sample_rows = n;
+    g.probs = dev_copy(std::vector<float>((size_t)n * V));
+    CUDA_CHECK(cudaMalloc(&g.sampled, n * sizeof(int)));
+    CUDA_CHECK(cudaMallocHost(&g.host_io, (n + 2) * sizeof(int)));
+    Rank r;
+    memset(&r, 0, sizeof r);
+    r.c = &c;
+    r.st = &g;
+    uint64_t seed = rng(), step = rng() % 1000;
+    std::vector<int> got(n, -2);
+    gpu_sample(&r, n, temp, topp, seed, step, got.data());
+    std::vector<float> p = host_copy(g.probs, (size_t)n * V);
+    float *one = dev_copy(std::vector<float>(V));
+    int *dout, wrong_host = 0, wrong_one = 0;
+    CUDA_CHECK(cudaMalloc(&dout, sizeof(int)));
+    for (int j = 0; j < n; j++) {
+        int row = rows - n + j, want = -1, alone;
+        const float *lr = &l[(size_t)row * V];
+        if (row != nan_row && temp <= 0) want = (int)(std::max_element(lr, lr + V) - lr);   /* the first maximum */
+        if (row != nan_row && temp > 0) want = host_pick(std::vector<float>(p.begin() + (size_t)j * V, p.begin() + (size_t)(j + 1) * V), topp, seed, step + j);
+        LAUNCH(1, 1024, SAMPLE_CAND * sizeof(float), 0, sample_kernel, dout, (const float *)g.logits + (size_t)row * V, one, V, temp, topp,
+               seed, step + j);
+        CUDA_CHECK(cudaMemcpy(&alone, dout, sizeof(int), cudaMemcpyDeviceToHost));
+        wrong_host += got[j] != want;
+        wrong_one += got[j] != alone;
+    }
+    char what[160];
+    snprintf(what, sizeof what, "sample %d of %d rows of %d logits, temp %.2f top-p %.2f%s: rows unlike the host rule", n, rows, V, temp,
+             topp, nan_row >= 0 ? ", a NaN row" : "");
+    expect_int(what, wrong_host, 0);
+    expect_int("... rows unlike the one-row kernel on that row, step + j", wrong_one, 0);
+    for (void *q : {(void *)g.logits, (void *)g.probs, (void *)g.sampled, (void *)one, (void *)dout}) CUDA_CHECK(cudaFree(q));
+    CUDA_CHECK(cudaFreeHost(g.host_io));
+    free_rank(&g);
+}
+
+/* ---- the backend end to end (gpu_setup, gpu_init: the real buffers, one rank) on a tiny hybrid model
+ * with an MTP block: blocks "M*-E", MTP sublayers "*E", the big matrices in fmt (drawn on the device),
+ * the embedding and lm_head bf16, driven as nemoh.c's layer loop drives a backend (tiny_forward,
+ * tiny_mtp). A speculative step of T tokens (r->keep) against T one-token steps: every logits row, x
+ * row and the Mamba state bit for bit; greedy be->sample of the T rows = each row's argmax;
+ * rewind(t) = the state after token t; the MTP pass over T tokens = T one-token MTP passes reading x
+ * rows 0 .. T - 1; and the captured graphs (r->graph): a replay = the eager step, a graph for each
+ * pass, an MTP step from row 2 runs eagerly and captures nothing. ---- */
+typedef struct {
+    Config c;
+    Shard s;
+    Weights w;
+    std::vector<std::vector<float>> host;   /* the fp32 vectors the weights point at */
+    std::vector<std::vector<Mat>> experts;  /* the expert matrices' views */
+} Tiny;
+
+static float *tiny_vec(Tiny &m, size_t n, float base, float spread) {
+    std::vector<float> v = rand_vec(n, spread);
+    for (auto &x : v) x += base;
+    m.host.push_back(std::move(v));
+    return m.host.back().data();
+}
+
+/* A synthetic [rows, cols] matrix in fmt, elements of about 1 / sqrt(cols) (upload_mat draws it). */
+static Mat tiny_mat(int fmt, int rows, int cols) {
+    float sc = fmt == DT_FP8 ? 0.05f / sqrtf((float)cols) : fmt == DT_NVFP4 ? 0.5f / sqrtf((float)cols) : 1.0f;
+    return Mat{NULL, fmt, rows, cols, (size_t)cols, NULL, 0, sc};
+}
+
+static void tiny_model(Tiny &m, int fmt) {
+    Config &c = m.c;
+    memset(&c, 0, sizeof c);
+    c.vocab = 1000, c.hidden = 320, c.n_layers = 4, c.n_mtp = 2, c.eps = 1e-5f;
+    memcpy(c.kind, "M*-E*E", 6);
+    c.n_heads = 4, c.n_kv = 2, c.head_dim = 32, c.mlp = 400;
+    c.m_heads = 8, c.m_hdim = 16, c.n_groups = 2, c.d_state = 16, c.d_conv = 4, c.conv_bias = 1, c.ctx = 64;
+    c.n_experts = 8, c.top_k = 2, c.n_group = 1, c.topk_group = 1, c.moe = 96, c.shared = 128, c.latent = 64, c.norm_topk = 1;
+    c.routed_scale = 2.5f;
+    int H = c.hidden, di = c.m_heads * c.m_hdim, gN = c.n_groups * c.d_state, conv = di + 2 * gN;
+    m.s = Shard{0, 1, c.m_heads, c.n_groups, di, conv, di + conv + c.m_heads, c.n_heads, c.n_kv, 0, 0, c.mlp, c.moe, c.shared, c.vocab};
+    Weights &w = m.w;
+    memset(&w, 0, sizeof w);
+    w.embed = tiny_mat(DT_BF16, c.vocab, H);
+    w.lm_head = tiny_mat(DT_BF16, c.vocab, H);
+    w.norm_f = tiny_vec(m, H, 1.0f, 0.1f);
+    w.enorm = tiny_vec(m, H, 1.0f, 0.1f);
+    w.hnorm = tiny_vec(m, H, 1.0f, 0.1f);
+    w.mtp_norm = tiny_vec(m, H, 1.0f, 0.1f);
+    w.eh_proj = tiny_mat(fmt, H, 2 * H);
+    for (int l = 0; l < n_all(&c); l++) {
+        Layer &L = w.layer[l];
+        L.kind = c.kind[l];
+        L.norm = tiny_vec(m, H, 1.0f, 0.1f);
+        if (L.kind == K_MAMBA) {
+            int rows[5] = {di, di, gN, gN, c.m_heads};
+            for (int k = 0; k < 5; k++) L.in_proj[k] = tiny_mat(fmt, rows[k], H);
+            L.conv_w = tiny_vec(m, (size_t)conv * 4, 0.0f, 0.5f);
+            L.conv_b = tiny_vec(m, conv, 0.0f, 0.2f);
+            L.A = tiny_vec(m, c.m_heads, -4.5f, 3.5f);
+            L.D = tiny_vec(m, c.m_heads, 0.0f, 1.0f);
+            L.dt_bias = tiny_vec(m, c.m_heads, -2.0f, 1.0f);
+            L.gnorm = tiny_vec(m, di, 1.0f, 0.1f);
+            L.out = tiny_mat(fmt, H, di);
+        } else if (L.kind == K_ATTN) {
+            L.wq = tiny_mat(fmt, c.n_heads * c.head_dim, H);
+            L.wk = tiny_mat(fmt, c.n_kv * c.head_dim, H);
+            L.wv = tiny_mat(fmt, c.n_kv * c.head_dim, H);
+            L.wo = tiny_mat(fmt, H, c.n_heads * c.head_dim);
+        } else if (L.kind == K_MLP) {
+            L.up = tiny_mat(fmt, c.mlp, H);
+            L.down = tiny_mat(fmt, H, c.mlp);
+        } else {
+            L.gate = tiny_vec(m, (size_t)c.n_experts * H, 0.0f, 3.0f / sqrtf((float)H));
+            L.gate_bias = tiny_vec(m, c.n_experts, 0.0f, 0.05f);
+            m.experts.push_back(std::vector<Mat>(c.n_experts, tiny_mat(fmt, c.moe, c.latent)));
+            L.eup = m.experts.back().data();
+            m.experts.push_back(std::vector<Mat>(c.n_experts, tiny_mat(fmt, c.latent, c.moe)));
+            L.edown = m.experts.back().data();
+            L.sup = tiny_mat(fmt, c.shared, H);
+            L.sdown = tiny_mat(fmt, H, c.shared);
+            L.lat_in = tiny_mat(fmt, c.latent, H);
+            L.lat_out = tiny_mat(fmt, H, c.latent);
+        }
+    }
+}
+
+/* Layer l's entry norm and mixer, as nemoh.c's layer loop runs them (fused all-reduce at the entry). */
+static void tiny_layer(Rank *r, int l, int first, int T, int pos) {
+    const Backend *be = &cuda_backend;
+    be->norm(r, l, first ? NORM_PLAIN : NORM_FUSED, T);
+    char k = r->c->kind[l];
+    if (k == K_MAMBA) be->mamba(r, l, T, pos);
+    else if (k == K_ATTN) be->attention(r, l, T, pos);
+    else if (k == K_MLP) be->mlp(r, l, T);
+    else be->moe(r, l, T);
+}
+
+static void tiny_forward(Rank *r, const int *tok, int T, int pos, int all) {
+    const Backend *be = &cuda_backend;
+    r->pass = PASS_MAIN;
+    if (be->replay(r, tok, T, pos)) return;
+    be->begin(r, tok, T, pos);
+    be->embed(r, tok, T);
+    for (int l = 0; l < r->c->n_layers; l++) tiny_layer(r, l, l == 0, T, pos);
+    be->allreduce(r, T);
+    be->norm(r, NORM_F, NORM_ADD, T);
+    be->logits(r, T, all);
+    be->end(r, T);
+}
+
+/* The MTP block over T tokens at pos, its hidden states x rows row .. row + T - 1; a replay only from row 0. */
+static void tiny_mtp(Rank *r, const int *tok, int T, int row, int pos, int all) {
+    const Backend *be = &cuda_backend;
+    r->pass = PASS_MTP;
+    if (!(row == 0 && be->replay(r, tok, T, pos))) {
+        be->begin(r, tok, T, pos);
+        be->mtp_in(r, tok, T, row);
+        for (int l = r->c->n_layers; l < n_all(r->c); l++) tiny_layer(r, l, l == r->c->n_layers, T, pos);
+        be->allreduce(r, T);
+        be->norm(r, NORM_MTP_F, NORM_ADD, T);
+        be->logits(r, T, all);
+        be->end(r, T);
+    }
+    r->pass = PASS_MAIN;
+}
+
+static void test_engine(int fmt, int spec, int T) {
+    Tiny m;
+    tiny_model(m, fmt);
+    const Backend *be = &cuda_backend;
+    int t_max = 16, V = m.c.vocab, H = m.c.hidden, P = 13;
+    Rank r;
+    memset(&r, 0, sizeof r);
+    r.c = &m.c;
+    r.s = m.s;
+    r.w = m.w;
+    r.be = be;
+    r.sh = be->setup(&m.c, 1, t_max, t_max);
+    r.t_max = t_max;
+    r.ctx = m.c.ctx;
+    r.fuse = 1;
+    r.spec = spec;
+    be->init(&r);
+    GpuRank *g = gpu_rank(&r);
+    std::vector<int> prompt(P), step(T), drafts(T), pm(P);
+    for (auto *v : {&prompt, &step, &drafts, &pm}) for (auto &t : *v) t = (int)(rng() % V);
+    auto logits = [&](int rows) { const float *l = be->host_logits(&r, rows); return std::vector<float>(l, l + (size_t)rows * V); };
+    auto xrows = [&](int rows) { return host_copy(g->x, (size_t)rows * H); };
+    auto state = [&]() {   /* the Mamba layers' conv windows and SSM states, without padding */
+        std::vector<float> all = host_copy((float *)g->state, g->snap_bytes / sizeof(float)), v;
+        size_t nc = (size_t)r.s.conv * 3, ns = (size_t)r.s.d_inner * m.c.d_state, cb = conv_state_bytes(&r) / 4, mb = mamba_state_bytes(&r) / 4;
+        for (size_t at = 0; at < all.size(); at += mb) {
+            v.insert(v.end(), all.begin() + at, all.begin() + at + nc);
+            v.insert(v.end(), all.begin() + at + cb, all.begin() + at + cb + ns);
+        }
+        return v;
+    };
+    auto cat = [](const std::vector<std::vector<float>> &v) {
+        std::vector<float> o;
+        for (auto &x : v) o.insert(o.end(), x.begin(), x.end());
+        return o;
+    };
+    int finite = 1;
+    auto fin = [&](const std::vector<float> &v) { for (float x : v) finite &= std::isfinite(x); return v; };
+    /* the prompt (as a prompt runs: more tokens than a decoded step), and the MTP block over it */
+    tiny_forward(&r, prompt.data(), P, 0, 0);
+    std::vector<float> l_prompt = fin(logits(1));
+    tiny_mtp(&r, pm.data(), P, 0, 0, 0);
+    fin(logits(1));
+    be->snapshot(&r, 0, 1);
+    std::vector<std::vector<float>> l1(T), x1(T), s1(T);
+    for (int t = 0; t < T; t++) {
+        tiny_forward(&r, &step[t], 1, P + t, 1);
+        l1[t] = fin(logits(1));
+        x1[t] = xrows(1);
+        s1[t] = state();
+    }
+    be->snapshot(&r, 0, 0);
+    r.keep = 1;
+    tiny_forward(&r, step.data(), T, P, 1);
+    r.keep = 0;
+    char what[160];
+    snprintf(what, sizeof what, "engine %s, spec %d: a step of %d tokens with keep: logits = %d one-token steps'", fmt_name(fmt), spec, T, T);
+    expect_same(what, logits(T), cat(l1));
+    std::vector<float> x_step = xrows(T);
+    expect_same("... final-norm rows (the MTP block's h) = the one-token steps'", x_step, cat(x1));
+    expect_same("... Mamba state after it = after the last one-token step", state(), s1[T - 1]);
+    std::vector<int> got(T);
+    be->sample(&r, T, 0.0f, 1.0f, 7, 0, got.data());
+    int bad = 0;
+    for (int t = 0; t < T; t++) bad += got[t] != (int)(std::max_element(l1[t].begin(), l1[t].end()) - l1[t].begin());
+    expect_int("... greedy sample of its rows: rows unlike their argmax", bad, 0);
+    std::vector<int> order(T);
+    for (int t = 0; t < T; t++) order[t] = t;   /* T - 1 last: after others, it must copy */
+    std::shuffle(order.begin(), order.end() - 1, rng);
+    bad = 0;
+    for (int t : order) {
+        be->rewind(&r, t);
+        std::vector<float> st = state();
+        bad += memcmp(st.data(), s1[t].data(), st.size() * sizeof(float)) != 0;
+    }
+    snprintf(what, sizeof what, "... rewind(t), t shuffled, then %d: states unlike token t's", T - 1);
+    expect_int(what, bad, 0);
+    /* the MTP block over the step's T positions from x rows 0.., and one position at a time from row t */
+    tiny_mtp(&r, drafts.data(), T, 0, P, 1);
+    std::vector<float> lm = fin(logits(T));
+    std::vector<std::vector<float>> lm1(T);
+    for (int t = 0; t < T; t++) {
+        CUDA_CHECK(cudaMemcpy(g->x, x_step.data(), x_step.size() * sizeof(float), cudaMemcpyHostToDevice));
+        tiny_mtp(&r, &drafts[t], 1, t, P + t, 1);
+        lm1[t] = logits(1);
+    }
+    expect_same("... the MTP block over T tokens = one token at a time, row t", lm, cat(lm1));
+    /* graphs: the main step eager, captured, replayed; the MTP step from row 2 (eager), row 0 captured, replayed */
+    int next = (int)(rng() % V), nd = (int)(rng() % V);
+    be->snapshot(&r, 1, 1);
+    auto main_step = [&](int graph) {
+        r.graph = graph;
+        be->snapshot(&r, 1, 0);
+        tiny_forward(&r, &next, 1, P + T, 1);
+        return fin(logits(1));
+    };
+    auto mtp_step = [&](int graph, int row) {
+        r.graph = graph;
+        CUDA_CHECK(cudaMemcpy(g->x, x_step.data(), x_step.size() * sizeof(float), cudaMemcpyHostToDevice));
+        tiny_mtp(&r, &nd, 1, row, P + T, 1);
+        return fin(logits(1));
+    };
+    std::vector<float> e0 = main_step(0), e1 = main_step(1);
+    expect_int("... graphs: the main step captured", g->captured[PASS_MAIN] && !g->captured[PASS_MTP], 1);
+    std::vector<float> e2 = main_step(1);
+    expect_same("... the captured main step = the eager one", e1, e0);
+    expect_same("... its replay = the eager one", e2, e0);
+    std::vector<float> m0 = mtp_step(0, 0);
+    if (T > 2) {
+        mtp_step(1, 2);
+        expect_int("... an MTP step from row 2 captures nothing", g->captured[PASS_MTP], 0);
+    }
+    std::vector<float> m1 = mtp_step(1, 0);
+    expect_int("... the MTP step from row 0 captured", g->captured[PASS_MTP], 1);
+    std::vector<float> m2 = mtp_step(1, 0);
+    expect_same("... the captured MTP step = the eager one", m1, m0);
+    expect_same("... its replay = the eager one, not the main graph", m2, m0);
+    expect_same("... the main step's replay after it = the eager one", main_step(1), e0);
+    expect_int("... every logit finite", finite, 1);
+    be->free(&r);
+    be->teardown(r.sh);
+}
+
 /* Microseconds per call of run() on stream s: three calls to warm up, then the mean of reps. */
 template <typename F> static float time_us(cudaStream_t s, int reps, F run) {
     cudaEvent_t e0, e1;
@@ -814,9 +1477,16 @@ static void time_scan(int heads, int hdim, int groups, int N, int T) {
     float *d_proj = dev_copy(rand_vec((size_t)T * in, 0.5f)), *d_xbc = dev_copy(rand_vec((size_t)T * cv, 0.5f));
     float *d_y = dev_copy(std::vector<float>((size_t)T * di)), *d_ssm = dev_copy(std::vector<float>((size_t)di * N));
     float *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb);
-    float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di, nullptr, 0, nullptr, nullptr); });
+    ScanArgs sa = scan_args(d_y, d_ssm, d_xbc, d_proj, in, d_A, d_D, d_dtb, T, heads, hdim, groups, N);
+    float us = time_us(0, T > 1 ? 5 : 200, [&] { ssm_scan(0, sa, N); });
     printf("# selective scan %d heads x %d, N %d, groups %d, %d step%s: %.1f us", heads, hdim, N, groups, T, T > 1 ? "s" : "", us);
-    if (T > 1) printf(", chunked SSD %.1f us", time_us(0, 5, [&] { ssd_scan(0, d_y, d_ssm, d_xbc, d_proj, in, di + cv, d_A, d_D, d_dtb, T, heads, hdim, N, groups, di); }));
+    if (T > 1) printf(", chunked SSD %.1f us", time_us(0, 5, [&] { ssd_scan(0, sa, N); }));
+    float *d_gw = dev_copy(rand_vec(di)), *d_gss = dev_copy(std::vector<float>((size_t)T * heads * scan_blocks(hdim, N)));
+    sa.gw = d_gw;
+    sa.gss = d_gss;   /* gated: as decode (SCAN_GATE) and a decoded step of a few tokens (SCAN_EACH) run it */
+    if (T <= DECODE_T) printf(", gated %.1f us", time_us(0, 200, [&] { ssm_scan(0, sa, N); }));
+    CUDA_CHECK(cudaFree(d_gw));
+    CUDA_CHECK(cudaFree(d_gss));
     printf("\n");
     for (float *p : {d_proj, d_xbc, d_y, d_ssm, d_A, d_D, d_dtb}) CUDA_CHECK(cudaFree(p));
 }
@@ -892,7 +1562,7 @@ static void time_gemv(int rows, int cols, int fmt = DT_BF16) {
     for (int wpr = 1; wpr <= (fmt == DT_BF16 ? GEMV_WARPS : 0); wpr *= 2)
         printf(" %.1f", time_us(g.stream, 50, [&] {
             GemvArgs a = {.out = dout, .W = W, .x = dx, .wpr = wpr, .warm = nullptr, .warm_n = 0, .warm_from = 0, .gs = GroupScale{}};
-            LAUNCH(cdiv(rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g.stream, gemv_for(fmt, EPI_NONE), a);
+            LAUNCH(cdiv(rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g.stream, gemv_for(fmt, EPI_NONE, 0), a);
         }));
     printf(" us\n");
     free_mat(&W);
@@ -901,10 +1571,38 @@ static void time_gemv(int rows, int cols, int fmt = DT_BF16) {
     free_rank(&g);
 }
 
+/* Not a check: a few tokens' product at a model's shape, T = 2, 4, 8, 9: decoded (the several-token
+ * kernel, one launch; what a verify step runs), T one-token launches, and the prompt path (cuBLAS
+ * on bf16 activations; what such a step would run without drafting). */
+static void time_gemv_tokens(int rows, int cols, int fmt = DT_BF16) {
+    Mat m = {NULL, fmt, rows, cols, (size_t)cols, NULL, 0, 1e-3f};
+    GMat W = upload_mat(&m, 1);
+    GpuRank g = make_rank((size_t)DECODE_T * pad8(cols));
+    g.act_w = pad8(cols);
+    float *dx = dev_copy(rand_vec((size_t)DECODE_T * cols)), *dout = dev_copy(std::vector<float>((size_t)DECODE_T * rows));
+    printf("# gemv %s %dx%d, T tokens: decoded / one by one / cuBLAS, us:", fmt_name(fmt), rows, cols);
+    for (int T : {2, 4, 8, 9}) {
+        g.dec_t = T;
+        float dec = time_us(g.stream, 50, [&] { matmul(&g, dout, rows, dx, cols, T, &W, 0, nullptr, nullptr); });
+        float one = time_us(g.stream, 20, [&] {
+            for (int t = 0; t < T; t++) matmul(&g, dout + (size_t)t * rows, rows, dx + (size_t)t * cols, cols, 1, &W, 0, nullptr, nullptr);
+        });
+        g.dec_t = 1;
+        float blas = time_us(g.stream, 50, [&] { matmul(&g, dout, rows, dx, cols, T, &W, 0, nullptr, nullptr); });
+        printf("  T=%d %.1f / %.1f / %.1f", T, dec, one, blas);
+    }
+    printf("\n");
+    free_mat(&W);
+    CUDA_CHECK(cudaFree(dx));
+    CUDA_CHECK(cudaFree(dout));
+    free_rank(&g);
+}
+
 /* Not a check: one decode step of a MoE layer at a model's shape (router, up, down; random weights
  * drawn on the device), and the bandwidth over the bytes it must read: the router, the chosen
- * experts' rows, the shared expert, the latent projections. */
-static void time_moe(const char *name, int E, int K, int m, int S, int hidden, int lat, int fe = DT_BF16, int fs = DT_BF16) {
+ * experts' rows, the shared expert, the latent projections. With T > 1: a verify step's T tokens
+ * decoded in one step, and T one-token steps. */
+static void time_moe(const char *name, int E, int K, int m, int S, int hidden, int lat, int fe = DT_BF16, int fs = DT_BF16, int T = 1) {
     int d = lat ? lat : hidden;
     MoeShape ms = {E, K, m, S, hidden, lat, d};
     MoeRoute rt = {E, K, 1, 1, 1, 2.5f};
@@ -921,17 +1619,32 @@ static void time_moe(const char *name, int E, int K, int m, int S, int hidden, i
     L.gate = dev_copy(rand_vec((size_t)E * hidden, 3.0f / sqrtf((float)hidden)));
     L.gate_bias = dev_copy(rand_vec(E, 0.05f));
     GpuRank g = make_rank(8);
-    g.x = dev_copy(rand_vec(hidden));
-    moe_alloc(&g, &ms, 1);
-    float *out = dev_copy(std::vector<float>(hidden));
+    g.x = dev_copy(rand_vec((size_t)T * hidden));
+    g.dec_t = T;
+    moe_alloc(&g, &ms, T);
+    float *out = dev_copy(std::vector<float>((size_t)T * hidden));
     float us = time_us(g.stream, 50, [&] {
-        moe_choose(&g, &L, &ms, rt, 1);
-        moe_experts(&g, &L, &ms, out, 1, NULL);
+        moe_choose(&g, &L, &ms, rt, T);
+        moe_experts(&g, &L, &ms, out, T, NULL);
     });
+    if (T > 1) {
+        float *x0 = g.x;
+        float one = time_us(g.stream, 20, [&] {
+            for (int t = 0; t < T; t++) {
+                g.x = x0 + (size_t)t * hidden;
+                moe_choose(&g, &L, &ms, rt, 1);
+                moe_experts(&g, &L, &ms, out + (size_t)t * hidden, 1, NULL);
+            }
+        });
+        g.x = x0;
+        printf("# moe decode layer %s %s/%s, %d tokens: %.1f us in one step, %.1f us one by one\n", name, fmt_name(fe), fmt_name(fs),
+               T, us, one);
+    }
     auto eb = [](int fmt) { return 16.0 / fmt_per(fmt) + (fmt == DT_NVFP4 ? 1.0 / 16 : 0); };   /* bytes an element */
     double bytes = (double)E * hidden * 4 + 2.0 * K * m * d * eb(fe) + 2.0 * S * hidden * eb(fs) + 2.0 * lat * hidden * eb(fs);
-    printf("# moe decode layer %s %s/%s (%d experts top %d, %d rows, shared %d, hidden %d, latent %d): %.1f us, %.0f GB/s of %.1f MB\n",
-           name, fmt_name(fe), fmt_name(fs), E, K, m, S, hidden, lat, us, bytes / (us * 1e3), bytes / 1e6);
+    if (T == 1)
+        printf("# moe decode layer %s %s/%s (%d experts top %d, %d rows, shared %d, hidden %d, latent %d): %.1f us, %.0f GB/s of %.1f MB\n",
+               name, fmt_name(fe), fmt_name(fs), E, K, m, S, hidden, lat, us, bytes / (us * 1e3), bytes / 1e6);
     for (GMat *p : {&L.eup, &L.edown, &L.sup, &L.sdown, &L.lat_in, &L.lat_out}) free_mat(p);
     for (void *p : {(void *)L.gate, (void *)L.gate_bias, (void *)out, (void *)g.x}) CUDA_CHECK(cudaFree(p));
     moe_free(&g);
@@ -955,12 +1668,27 @@ int main(int argc, char **argv) {
         test_matmul(fmt, 37, k(16395), 1, 0);   /* two warps a row (bf16) */
         test_matmul(fmt, 130, k(1000), 7, 0);
         test_matmul(fmt, 77, k(515), 130, 1);
+        test_gemv_tokens(fmt, 37, k(1000), 2, EPI_NONE);     /* a verify step of 1 .. 8 drafts: rounds of GEMV_TOKENS */
+        test_gemv_tokens(fmt, 300, k(4099), 4, EPI_NONE);
+        test_gemv_tokens(fmt, 129, k(60), 5, EPI_RELU2);
+        test_gemv_tokens(fmt, 37, k(16395), 3, EPI_NONE);    /* two warps a row (bf16) */
+        test_gemv_tokens(fmt, 77, k(515), 9, EPI_RELU2);
+        test_gemv_tokens(fmt, 9001, k(304), 7, EPI_NONE);     /* more rows than a wave of blocks holds */
+        test_gemv_tokens(fmt, 37, 256, 6, EPI_GNORM, 4);      /* out_proj with the gated norm folded: groups of 64 */
+        test_gemv_tokens(fmt, 1000, 2048, 9, EPI_GNORM, 8);
     }
     test_matmul(DT_FP8, 40000, 900, 3, 0);    /* more rows than deq holds at once: a prompt's product in two passes */
     test_matmul(DT_FP8, 9001, 304, 1, 0);     /* more rows than a wave of blocks holds, not a multiple of QROWS */
     test_matmul(DT_NVFP4, 9001, 304, 1, 1);
     test_norms(1000, 3);
     test_norms(4099, 1);
+    test_mtp_in(DT_BF16, DT_BF16, 1000, 1, 0, 1);
+    test_mtp_in(DT_BF16, DT_BF16, 1000, 1, 3, 1);       /* a draft from the last row of a longer step */
+    test_mtp_in(DT_F32, DT_F32, 520, 5, 2, 1);
+    test_mtp_in(DT_F32, DT_F32, 520, 5, 2, 9);          /* decoded: the several-token product */
+    test_mtp_in(DT_NVFP4, DT_FP8, 1024, 7, 0, 9);
+    test_mtp_in(DT_FP8, DT_BF16, 4096, 3, 1, 1);
+    test_mtp_in(DT_BF16, DT_NVFP4, 2048, 130, 4, 9);    /* a prompt's MTP pass */
     test_mamba(6, 10, 2, 16, {5, 1, 37});
     test_mamba(4, 6, 1, 8, {1, 2, 1});
     test_mamba(8, 64, 4, 128, {3, 1});
@@ -970,6 +1698,12 @@ int main(int argc, char **argv) {
     test_mamba(8, 64, 4, 128, {1}, DT_FP8);     /* the gated norm folded into a quantized out_proj */
     test_mamba(8, 64, 4, 128, {1}, DT_NVFP4);
     test_mamba(6, 10, 2, 16, {1}, DT_NVFP4);    /* groups of 30 channels: no fold with NVFP4's 32-element pieces */
+    test_keep(6, 10, 2, 16, 4);     /* groups of 30: no fold */
+    test_keep(8, 64, 4, 128, 9);    /* gated, as nemotron-h-8b's heads decode */
+    test_keep(4, 12, 2, 256, 3);
+    test_keep(2, 80, 1, 128, 2);    /* rows of one head across blocks */
+    test_keep(32, 64, 1, 64, 1);    /* one token */
+    test_keep(16, 64, 8, 8, 17);    /* more tokens than a stage of the scan holds */
     test_ssd(6, 10, 2, 8, {37, 1, 64, 1});          /* the tiny-bf16 fixture's shape: one partial chunk, one whole */
     test_ssd(8, 64, 2, 128, {130, 1, 200, 1});      /* nemotron-h-8b's head and state: chunks across calls */
     test_ssd(4, 80, 1, 64, {65, 1});                /* P = 80: channels over two blocks, a chunk of one step at the end */
@@ -990,6 +1724,14 @@ int main(int argc, char **argv) {
     test_attention<bf16>(16, 1, 128, 63, 64);       /* a group of 16: one full tile of heads; keys end a tile */
     test_attention<bf16>(20, 1, 96, 64, 2112);      /* a group of 20: a second tile of 4 heads; a key past a tile */
     test_attention<bf16>(40, 8, 128, 100000, 100032);   /* nemotron-nano-9b-v2's heads, deep in a long context */
+    test_attention_tokens<float>(4, 2, 20, 0, 3, 8);       /* a verify step from position 0 */
+    test_attention_tokens<float>(8, 2, 128, 300, 5, 308);
+    test_attention_tokens<float>(4, 1, 64, 2040, 9, 4096);
+    test_attention_tokens<bf16>(4, 1, 20, 6, 2, 16);
+    test_attention_tokens<bf16>(8, 2, 128, 2046, 4, 8192);
+    test_attention_tokens<bf16>(20, 1, 96, 60, 9, 2112);    /* a second tile of heads; keys across a tile */
+    test_attention_tokens<bf16>(40, 8, 128, 5000, 7, 8192);
+    test_attention_tokens<bf16>(2, 1, 256, 1000, 3, 3001);
     test_prompt_attention<bf16>(4, 1, 20, 0, 37);      /* the tiny-bf16 fixture's shape: head 20 padded to 32 */
     test_prompt_attention<bf16>(8, 8, 64, 0, 130);     /* GQA group 1: 64-row tiles of tokens, a partial last one */
     test_prompt_attention<bf16>(8, 2, 80, 100, 77);    /* group 4, head 80, a chunk starting mid-cache inside a key tile */
@@ -1032,9 +1774,26 @@ int main(int argc, char **argv) {
         test_moe_products(DT_NVFP4, fs, 8, 6, 1296, 592, 528, 80, 1);   /* two warps a row in the down product */
         test_moe_products(DT_NVFP4, fs, 8, 6, 1296, 592, 528, 80, 130);
     }
+    for (int fmt : {DT_F32, DT_BF16, DT_FP8}) {
+        test_moe_tokens(fmt, fmt, 12, 3, 20, 36, 40, 0, 4);
+        test_moe_tokens(fmt, fmt, 10, 4, 27, 19, 56, 24, 9);     /* latent; rounds of GEMV_TOKENS */
+        test_moe_tokens(fmt, fmt, 8, 6, 1302, 600, 520, 72, 3);  /* two warps a row in the down product */
+    }
+    test_moe_tokens(DT_NVFP4, DT_FP8, 12, 3, 32, 48, 64, 0, 5);
+    test_moe_tokens(DT_NVFP4, DT_BF16, 10, 4, 32, 16, 64, 32, 9);
+    test_moe_tokens(DT_NVFP4, DT_NVFP4, 8, 6, 1296, 592, 528, 80, 2);
+    test_moe_tokens(DT_NVFP4, DT_FP8, 512, 22, 1344, 2688, 4096, 1024, 4);   /* a rank of 2 of nemotron-3-super-120b-a12b */
+    for (int fmt : {DT_BF16, DT_F32, DT_FP8, DT_NVFP4}) test_engine(fmt, 4, 5);
+    test_engine(DT_BF16, 8, 9);     /* rounds of GEMV_TOKENS */
+    test_engine(DT_BF16, 3, 2);     /* fewer tokens than the step may verify */
+    test_engine(DT_NVFP4, 1, 2);
     test_sampling(1000, 0);
     test_sampling(131072, 0);
     test_sampling(131072, 1);
+    test_sample_rows(1000, 5, 4, 0.0f, 1.0f);        /* greedy, the last 4 of 5 rows */
+    test_sample_rows(131072, 9, 9, 0.8f, 0.95f);     /* a verify step of 8 drafts */
+    test_sample_rows(50000, 12, 7, 1.3f, 1.0f);
+    test_sample_rows(131072, 1, 1, 0.7f, 0.9f);
     time_gemv(18560, 4096);    /* nemotron-h-8b: in_proj */
     time_gemv(21504, 4096);    /* up */
     time_gemv(4096, 21504);    /* down */
@@ -1048,6 +1807,15 @@ int main(int argc, char **argv) {
         time_gemv(10304, 2688, fmt);   /* nemotron-3-nano-30b-a3b: in_proj */
     }
     time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0);
+    time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0, DT_BF16, DT_BF16, 4);
+    time_moe("nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 4096, 1024, DT_NVFP4, DT_FP8, 4);
+    time_moe("nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 4096, 1024, DT_NVFP4, DT_FP8, 8);
+    for (int fmt : {DT_BF16, DT_FP8, DT_NVFP4}) {
+        time_gemv_tokens(18560, 4096, fmt);   /* nemotron-h-8b: in_proj */
+        time_gemv_tokens(4096, 21504, fmt);   /* down */
+    }
+    time_gemv_tokens(131072, 4096);           /* lm_head */
+    time_gemv_tokens(4096, 8192);             /* nemotron-3-super's MTP eh_proj */
     time_moe("nemotron-3-nano-30b-a3b, a rank of 2", 128, 6, 928, 1856, 2688, 0);
     time_moe("nemotron-3-super-120b-a12b, a rank of 2", 512, 22, 1344, 2688, 4096, 1024);
     time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0, DT_FP8, DT_FP8);
@@ -1061,6 +1829,7 @@ int main(int argc, char **argv) {
     time_prompt_attention(32, 8, 128, 0, 2048);       /* nemotron-h-8b, a 2048-token prompt */
     time_prompt_attention(40, 8, 128, 30720, 2048);   /* nemotron-nano-9b-v2, the last chunk of 32768 */
     time_scan(128, 64, 8, 128, 1);
+    time_scan(128, 64, 8, 128, 4);      /* a verify step of 3 drafts */
     printf("%d passed, %d failed\n", n_pass, n_fail);
     return n_fail ? 1 : 0;
 }
