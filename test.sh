@@ -521,6 +521,32 @@ else
         check "GPU $f: --no-fuse = fused (within 1e-5)" "$T/compare_logits" "$T/gpu-$f-nofuse.bin" "$T/gpu-$f.bin" 1e-5
         check "GPU $f: = CPU at TP 1 (within $tol)" "$T/compare_logits" "$T/gpu-$f.bin" "$T/cpu $f.bin" "$tol"
     done
+    # drafting on the GPU: a verify forward decodes its few tokens with the one-token kernels, so drafts
+    # forced from the plain run give its tokens and logits bit for bit; graphs (one a pass) = eager
+    for d in $(grep -l '"num_nextn_predict_layers": [1-9]' tests/fixtures/tiny-*/config.json | xargs -n1 dirname); do
+        f=$(basename "$d") ids=$(cat "$d/prompt.txt")
+        plain=$(./nemoh -m "$d" --ids "$ids" -n 48 -t 0 --mtp 0 --dump-logits "$T/gpu-$f-m0.bin" 2>/dev/null)
+        for k in 1 3 8; do
+            got=$(NEMOH_TEST_DRAFTS="$plain" ./nemoh -m "$d" --ids "$ids" -n 48 -t 0 --mtp $k --dump-logits "$T/gpu-$f-m$k.bin" 2>"$T/gpu-$f-m$k.err")
+            h=$(mtp_steps "$T/gpu-$f-m$k.err")
+            if [ "$got" = "$plain" ] && [ -n "$h" ] && ! grep -qw 0 <<< "$h"; then pass "GPU $f --mtp $k: forced drafts, every accepted count 0..$k ($h), tokens equal --mtp 0"
+            else fail "GPU $f --mtp $k: forced drafts, every accepted count 0..$k, tokens equal --mtp 0" "got:      $got"$'\n'"expected: $plain"$'\n'"$(cat "$T/gpu-$f-m$k.err")"; fi
+            check "GPU $f --mtp $k: logits of every position equal --mtp 0 (bitwise)" "$T/compare_logits" "$T/gpu-$f-m$k.bin" "$T/gpu-$f-m0.bin" 0
+        done
+        NEMOH_TEST_DRAFTS="$plain" ./nemoh -m "$d" --ids "$ids" -n 48 -t 0 --mtp 3 --no-graph --dump-logits "$T/gpu-$f-m3e.bin" >/dev/null 2>&1
+        check "GPU $f --mtp 3: CUDA graphs = eager (bitwise)" "$T/compare_logits" "$T/gpu-$f-m3e.bin" "$T/gpu-$f-m3.bin" 0
+        tol=$(grep -q '"torch_dtype": "bfloat16"' "$d/config.json" && echo 1e-1 || echo 2e-4)
+        if [ -e "$d/mtp_logits.bin" ]; then
+            fixture_run ./nemoh "$d" "$T/gpu-$f-mtp.bin" --dump-mtp "$T/gpu-$f.mtp" >/dev/null
+            check "GPU $f: MTP logits at every position within $tol of the oracle" "$T/compare_logits" "$T/gpu-$f.mtp" "$d/mtp_logits.bin" "$tol"
+        fi
+    done
+    ./nemoh -m weights --ids "$(cat tests/fixtures/default-ref/ids.txt)" -n 1 -t 0 --dump-mtp "$T/gdefm.bin" >/dev/null 2>&1
+    check "GPU default model: MTP logits on held-out text within 5e-2 of the oracle" "$T/compare_logits" "$T/gdefm.bin" \
+        tests/fixtures/default-ref/mtp_logits.bin 5e-2
+    g0=$(./nemoh -m weights -n 64 -t 0 --mtp 0 "Once upon a time" 2>/dev/null)
+    same "GPU default model: greedy with its trained drafts (--mtp 3) = without" "$(./nemoh -m weights -n 64 -t 0 --mtp 3 "Once upon a time" 2>/dev/null)" "$g0"
+    chat_turns ./nemoh "$T/chat-mtp" "GPU chat --mtp 3" 2e-4 - --mtp 3
     # --chat on the GPU: snapshots are device-to-device copies the replayed decode graph then reads
     for fmt in nano-v2 nemotron-3; do chat_turns ./nemoh $fmt "GPU chat $fmt" 5e-2 -; done
     chat_turns ./nemoh nemotron-3 "GPU chat nemotron-3 --no-graph" 5e-2 --no-think --no-graph
