@@ -1036,8 +1036,10 @@ typedef struct {
     int dump, dump_mtp;         /* keep rows, mtp_rows */
 } Decoder;
 
-/* Drafts a step when the model has an MTP block and --mtp is not given. */
-enum { MTP_DEFAULT = 3 };
+/* Drafts a step when the model has an MTP block and --mtp is not given: none. On the default model
+ * (its trained block, acceptance length 2.7 at 3 drafts) drafting measured slower on both backends:
+ * 690 against 1,050 tok/s on the 2-core CPU, 6,050 against 9,120 on one H200 (bench/RESULTS.md). */
+enum { MTP_DEFAULT = 0 };
 
 static void *tok_grow(void *p, size_t *cap, size_t need, size_t size);
 static int *parse_ids(const char *s, int *n);
@@ -3960,7 +3962,7 @@ static void usage(void) {
           "  --print-ids        print generated token ids instead of text (the default without a tokenizer)\n"
           "  --dump-logits FILE float32 logits, one row of vocab_size per forward position\n"
           "  --mtp K            draft K tokens a step with the model's multi-token prediction block and verify\n"
-          "                     them in one forward (0..8; default 3 when the model has one; 0: no drafting)\n"
+          "                     them in one forward (0..8; default 0: on the default model drafting is slower)\n"
           "  --dump-mtp FILE    float32 logits of the MTP block, one row per position (the token after it known)\n"
           "  --tp N|all         tensor-parallel ranks (default 1; all: every visible GPU)\n"
           "  --no-fuse          all-reduce at each layer's end instead of fused into the next norm\n"
@@ -4121,6 +4123,7 @@ int main(int argc, char **argv) {
     if (ctx == 0) ctx = e.c.ctx;
     if (mtp > 0 && !e.c.n_mtp && !encode)
         die("--mtp %d: %s has no multi-token prediction block (num_nextn_predict_layers)", mtp, preset ? preset : dir);
+    int mtp_in_config = e.c.n_mtp > 0;
     if (mtp < 0) mtp = e.c.n_mtp ? MTP_DEFAULT : 0;
     if (!mtp) e.c.n_mtp = 0;   /* the block is not read: --mtp 0 runs a model whose MTP tensors are broken */
     if (mtp_path && !mtp) die("--dump-mtp: needs drafting (a model with an MTP block, and not --mtp 0)");
@@ -4211,7 +4214,9 @@ int main(int argc, char **argv) {
     GenOpts shown = o;
     if (do_bench) shown.temp = 0;   /* --bench decodes greedily */
     print_loaded(&e, preset ? preset : dir, now_s() - t0, &shown);
-    if (n_mtp && !mtp) fprintf(stderr, "nemoh: %d mtp.* tensors (multi-token prediction heads) are not used\n", n_mtp);
+    if (n_mtp && !mtp)
+        fprintf(stderr, "nemoh: %d mtp.* tensors (multi-token prediction heads) are not used%s\n", n_mtp,
+                mtp_in_config ? " (--mtp K drafts K tokens a step with them)" : "");
     if (ctx > e.c.ctx)
         fprintf(stderr, "nemoh: note: -c %d is more than the %d positions the model was trained on (max_position_embeddings)\n",
                 ctx, e.c.ctx);

@@ -2984,8 +2984,8 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
         matmul(g, g->moe_z, ms->lat, g->x, ms->H, T, &L->lat_in, EPI_NONE, NULL, NULL);
         z = g->moe_z;
     }
-    if (decoded(g, T)) {   /* h: [T, ldh], a token's slots then its shared expert's rows */
-        int ldh = K * mp + ms->S;
+    if (decoded(g, T)) {   /* h: [T, ldh], a token's slots then its shared expert's rows (16-byte rows) */
+        int ldh = pad8(K * mp + ms->S);
         MoeUp up = {.routed = {L->eup, z, ms->lat ? ms->lat : ms->H}, .m = m, .K = K, .shared = {L->sup, g->x, ms->H}, .S = ms->S,
                     .T = T, .ldh = ldh};
         int fmts[2] = {L->eup.fmt, L->sup.fmt}, f = fmt_class(fmts, 2);
@@ -3317,7 +3317,7 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
     if (has_kind(c, K_MOE)) {   /* moe_alloc's buffers */
         size_t TK = T * c->top_k, d = c->latent ? c->latent : H, la = pad8(std::max((int)d, s->moe));
         b += TK * (3 + la + s->moe + d) * f + T * ((size_t)c->n_experts + 2 * c->latent) * f +
-             (size_t)g->dec_t * (c->top_k * pad8(s->moe) + s->shared) * f;
+             (size_t)g->dec_t * pad8(c->top_k * pad8(s->moe) + s->shared) * f;
     }
     b += T * H * (f * 5 + 2) + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
     b += (size_t)gpu_shared((Rank *)r)->logit_rows * (c->vocab + s->vocab) * f + (64u << 20);  /* + cuBLAS workspace */
@@ -3340,7 +3340,7 @@ static void moe_alloc(GpuRank *g, const MoeShape *ms, int t) {
     g->moe_w = zeros(TK);
     g->moe_logits = zeros((size_t)t * ms->E);
     g->moe_act = zeros(TK * g->moe_lda);
-    g->moe_h = zeros(std::max(TK * ms->m, (size_t)std::min(t, std::max(g->dec_t, 1)) * (ms->K * pad8(ms->m) + ms->S)));
+    g->moe_h = zeros(std::max(TK * ms->m, (size_t)std::min(t, std::max(g->dec_t, 1)) * pad8(ms->K * pad8(ms->m) + ms->S)));
     g->moe_y = zeros(TK * ms->d);
     g->moe_z = zeros((size_t)t * ms->lat);
     g->moe_ylat = zeros((size_t)t * ms->lat);

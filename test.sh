@@ -175,13 +175,13 @@ check "speculative sampling: TV to plain sampling $v < 0.2 (temperature 0.3: $ho
 # NemotronHBlocks with the MTP tensors, behind enorm, hnorm and eh_proj (tools/nemotron_h.py)
 for c in tiny-mtp-latent-f32:1 tiny-mtp-latent-f32:2 tiny-mtp-f32:1 tiny-mtp-f32:2; do
     f=${c%:*} n=${c#*:} d=tests/fixtures/${c%:*}
-    fixture_run ./nemoh "$d" "$T/$f-mtp-tp$n.bin" --cpu --tp $n --dump-mtp "$T/$f-mtp-tp$n.mtp" >/dev/null
+    fixture_run ./nemoh "$d" "$T/$f-mtp-tp$n.bin" --cpu --tp $n --mtp 3 --dump-mtp "$T/$f-mtp-tp$n.mtp" >/dev/null
     check "$f --tp $n: MTP logits at every position within 1e-4 of the oracle" "$T/compare_logits" "$T/$f-mtp-tp$n.mtp" "$d/mtp_logits.bin" 1e-4
 done
-./nemoh --cpu -m weights --ids "$(cat tests/fixtures/default-ref/ids.txt)" -n 1 -t 0 --dump-mtp "$T/defm.bin" >/dev/null 2>&1
+./nemoh --cpu -m weights --ids "$(cat tests/fixtures/default-ref/ids.txt)" -n 1 -t 0 --mtp 3 --dump-mtp "$T/defm.bin" >/dev/null 2>&1
 check "default model: its trained MTP block's logits on held-out text within 1e-4 of the oracle" \
     "$T/compare_logits" "$T/defm.bin" tests/fixtures/default-ref/mtp_logits.bin 1e-4
-full && fixture_run "$ASAN" tests/fixtures/tiny-mtp-latent-f32 "$T/asan-mtp.bin" --tp 2 --dump-mtp "$T/asan-mtp.mtp" >/dev/null
+full && fixture_run "$ASAN" tests/fixtures/tiny-mtp-latent-f32 "$T/asan-mtp.bin" --tp 2 --mtp 3 --dump-mtp "$T/asan-mtp.mtp" >/dev/null
 full && check "asan tiny-mtp-latent-f32 --tp 2: MTP logits within 1e-4 of the oracle" "$T/compare_logits" "$T/asan-mtp.mtp" \
     tests/fixtures/tiny-mtp-latent-f32/mtp_logits.bin 1e-4
 n=$(./nemoh --cpu -m tests/fixtures/tiny-moe-bf16 --ids 1 -n 1 --mtp 0 2>&1 | grep -c 'mtp\.\* tensors (multi-token prediction heads) are not used')
@@ -198,13 +198,14 @@ refuse_run() {
 for bin in ./nemoh $(full && echo "$ASAN"); do
     tag=$([ "$bin" = ./nemoh ] && echo cpu || echo asan)
     for set in bad bad-moe bad-nvfp4 bad-fp8 bad-mtp; do
-        check "$tag $set input: the unmodified control model loads" "$bin" -m "$T/$set/good" --ids "1 2" -n 1
+        extra=(); [ $set = bad-mtp ] && extra=(--mtp 1)   # drafting reads the MTP block
+        check "$tag $set input: the unmodified control model loads" "$bin" -m "$T/$set/good" --ids "1 2" -n 1 "${extra[@]}"
         for d in "$T/$set"/*; do
             [[ $(basename "$d") == good* ]] && continue
             if [ -e "$d/at-run" ]; then   # the CPU backend names the layer (the GPU's check: below)
                 refuse_run "$tag bad input: $(basename "$d")" "$(cat "$d/expect")" /dev/null "$bin" -m "$d" --ids "1 2" -n 1 --cpu
             else
-                refuse "$tag bad input: $(basename "$d")" "$(cat "$d/expect")" "$bin" -m "$d" --ids "1 2" -n 1
+                refuse "$tag bad input: $(basename "$d")" "$(cat "$d/expect")" "$bin" -m "$d" --ids "1 2" -n 1 "${extra[@]}"
             fi
         done
     done
@@ -479,6 +480,7 @@ nm=$(grep -c '^layer .* moe .*fused all-reduce' <<< "$tr")
     && pass "--trace on an MoE model: every layer's kind, moe partial sums reduced at the next entry" \
     || fail "--trace on an MoE model: every layer's kind, moe partial sums reduced at the next entry" "$tr"
 # and its MTP block ("*E"): a pass of its own, the same protocol, then its final_layernorm
+tr=$(./nemoh -m tests/fixtures/tiny-moe-bf16 --ids "1 2 3" -n 2 --tp 2 --trace --cpu --mtp 2 2>&1 >/dev/null)
 got=$(grep -A3 '^final .*norm_f' <<< "$tr" | tail -3 | awk '{print $1, $2, $3, $4}' | tr '\n' ' ')
 same "--trace: the MTP block's sublayers, moe reduced at its entry, then final_layernorm" "$got" \
     "mtp 0 attention rmsnorm mtp 1 moe fused final plain all-reduce, then "
@@ -537,11 +539,11 @@ else
         check "GPU $f --mtp 3: CUDA graphs = eager (bitwise)" "$T/compare_logits" "$T/gpu-$f-m3e.bin" "$T/gpu-$f-m3.bin" 0
         tol=$(grep -q '"torch_dtype": "bfloat16"' "$d/config.json" && echo 1e-1 || echo 2e-4)
         if [ -e "$d/mtp_logits.bin" ]; then
-            fixture_run ./nemoh "$d" "$T/gpu-$f-mtp.bin" --dump-mtp "$T/gpu-$f.mtp" >/dev/null
+            fixture_run ./nemoh "$d" "$T/gpu-$f-mtp.bin" --mtp 3 --dump-mtp "$T/gpu-$f.mtp" >/dev/null
             check "GPU $f: MTP logits at every position within $tol of the oracle" "$T/compare_logits" "$T/gpu-$f.mtp" "$d/mtp_logits.bin" "$tol"
         fi
     done
-    ./nemoh -m weights --ids "$(cat tests/fixtures/default-ref/ids.txt)" -n 1 -t 0 --dump-mtp "$T/gdefm.bin" >/dev/null 2>&1
+    ./nemoh -m weights --ids "$(cat tests/fixtures/default-ref/ids.txt)" -n 1 -t 0 --mtp 3 --dump-mtp "$T/gdefm.bin" >/dev/null 2>&1
     check "GPU default model: MTP logits on held-out text within 5e-2 of the oracle" "$T/compare_logits" "$T/gdefm.bin" \
         tests/fixtures/default-ref/mtp_logits.bin 5e-2
     g0=$(./nemoh -m weights -n 64 -t 0 --mtp 0 "Once upon a time" 2>/dev/null)
