@@ -26,6 +26,8 @@ ALL=(
     "moe-nvfp4|--random nemotron-3-nano-30b-a3b-nvfp4 -P 512 -n 256"
     "super-nvfp4|--random nemotron-3-super-120b-a12b-nvfp4 -P 512 -n 128"
     "super-fp8|--random nemotron-3-super-120b-a12b-fp8 -P 512 -n 64"
+    "default-mtp|-m weights -P 512 -n 256 --mtp 3"
+    "super-nvfp4-mtp|--random nemotron-3-super-120b-a12b-nvfp4 -P 512 -n 64 --mtp 3"
 )
 HF=(
     "nemotron-h-8b 512 256"
