@@ -2661,7 +2661,7 @@ static int gemv_blocks(const GpuRank *g, const GMat *W, int wpr, int *slots) {
  * `next`, the product that follows. */
 static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi, const GMat *next,
                    const GroupScale *gs) {
-    if (decoded(g, T)) {
+    if (decoded(g, T) && (T == 1 || ldx % 4 == 0)) {   /* each token's x row 16-byte aligned, as the kernel reads it */
         int wpr = gemv_wpr(g, W), slots, blocks = gemv_blocks(g, W, wpr, &slots);
         GemvArgs a = {.out = out, .W = *W, .x = x, .T = T, .ldx = ldx, .ldo = ldo, .wpr = wpr, .warm = next ? next->w : NULL,
                       .warm_n = warm_bytes(next), .warm_from = blocks > slots ? blocks - slots : 0,
