@@ -34,6 +34,9 @@ if out=$(make 2>&1); then pass "make"; else fail "make" "$out"; finish; fi
 ASAN="$T/nemoh-asan"
 full && check "build CPU engine with -fsanitize=address,undefined" \
     cc -std=c11 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -Wextra nemoh.c -o "$ASAN" -lm -lpthread
+# the CPU engine alone (a C compiler, no CUDA): what a machine without nvcc builds; it also starts
+# without loading the CUDA libraries, for the tests that run nemoh hundreds of times
+check "build the CPU engine with cc alone" cc -std=c11 -O2 -Wall -Wextra nemoh.c -o "$T/nemoh-cpu" -lm -lpthread
 check "build test helpers" sh -c "cc -O2 -o $T/compare_logits tests/compare_logits.c -lm && cc -O2 -o $T/make_bad tests/make_bad.c"
 check "make broken variants (and accepted ones) of a good model" "$T/make_bad" tests/fixtures/tiny-bf16 "$T/bad"
 check "make broken variants of a good MoE model" "$T/make_bad" tests/fixtures/tiny-moe-latent-f32 "$T/bad-moe"
@@ -160,7 +163,7 @@ d=tests/fixtures/tiny-moe-bf16 ids=$(cat tests/fixtures/tiny-moe-bf16/prompt.txt
 greedy=$(./nemoh --cpu -m $d --ids "$ids" -n 6 -t 0 --mtp 0 2>/dev/null)
 draws() {   # draws FIRST LAST TEMP MTP: the first 3 tokens for seeds FIRST..LAST
     for s in $(seq "$1" "$2"); do
-        NEMOH_TEST_DRAFTS="$greedy" ./nemoh --cpu -m $d --ids "$ids" -n 4 -t "$3" -s "$s" --mtp "$4" 2>/dev/null | cut -d' ' -f1-3
+        NEMOH_TEST_DRAFTS="$greedy" "$T/nemoh-cpu" -m $d --ids "$ids" -n 4 -t "$3" -s "$s" --mtp "$4" 2>/dev/null | cut -d' ' -f1-3
     done
 }
 tv() { awk 'FNR == NR { a[$0]++; n++; next } { b[$0]++; m++ }
