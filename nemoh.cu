@@ -200,8 +200,10 @@ typedef struct {
     int rows;                   /* logits rows the last step wrote */
     int proj_w, y_w, act_w;     /* columns of proj, y (proj_width, y_width) and act16 (the widest input) */
     int splits;                 /* decode attention splits a head (attn_splits) */
-    int dec_t;                  /* most tokens a forward runs as decode does (decoded): 1, or while drafting
-                                   min(spec + 1, DECODE_T) */
+    int dec_t;                  /* most tokens a forward may run as decode does: 1, or while drafting
+                                   min(spec + 1, DECODE_T) (the decode buffers hold that many) */
+    int dec_now;                /* ... the forward running now (decoded): dec_t for a verify forward or an
+                                   MTP pass, else 1, so that a prompt's chunk runs as with --mtp 0 */
     int gemv_slots;             /* gemv_kernel blocks the GPU holds at once (per SM x SMs) */
     cudaGraphExec_t graph[2];   /* [PASS_MAIN, PASS_MTP] the captured single-token step of each forward */
     int captured[2];            /* [PASS_MAIN, PASS_MTP] graph[pass] holds one */
@@ -223,7 +225,7 @@ enum { DECODE_T = 9 };
 
 /* Whether a forward of T tokens runs as decode does (else as a prompt: cuBLAS, the chunked scan, flash
  * attention). */
-static int decoded(const GpuRank *g, int T) { return T == 1 || T <= g->dec_t; }
+static int decoded(const GpuRank *g, int T) { return T == 1 || T <= g->dec_now; }
 
 /* ------------------------------------------------------------------------------------------------
  * Kernels: the stored formats, decoded (Mat in nemoh.h defines them; the host's mat_at is the reference)
@@ -2708,6 +2710,7 @@ static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
         fprintf(stderr, "nemoh: keep: %d tokens, states kept for %d\n", T, r->spec > 0 ? r->spec + 1 : 0);
         exit(1);
     }
+    g->dec_now = keeping(r) || r->pass == PASS_MTP ? g->dec_t : 1;
     if (r->pass == PASS_MAIN) {   /* a main forward moves the states on: what was kept before is stale */
         g->kept_n = keeping(r) ? T : 0;
         g->kept_live = T - 1;
@@ -3147,6 +3150,10 @@ static void *gpu_setup(const Config *c, int n, int t_max, int logit_rows) {
         exit(1);
     }
     if (c->head_dim > 256) { fprintf(stderr, "nemoh: the CUDA backend needs head_dim <= 256; use --cpu\n"); exit(1); }
+    if (c->latent % 4) {   /* a decoded step's latent rows are read 16 bytes at a time */
+        fprintf(stderr, "nemoh: the CUDA backend needs moe_latent_size a multiple of 4; use --cpu\n");
+        exit(1);
+    }
     if (c->hidden > NORM_PER * NORM_THREADS || c->hidden % 8) {
         fprintf(stderr, "nemoh: the CUDA backend needs hidden_size a multiple of 8, at most %d; use --cpu\n", NORM_PER * NORM_THREADS);
         exit(1);
@@ -3526,6 +3533,7 @@ static void gpu_snapshot(Rank *r, int slot, int save) {
     if (!g->snap) CUDA_CHECK(cudaMalloc(&g->snap, SNAPSHOT_SLOTS * g->snap_bytes + 1));
     char *p = g->snap + slot * g->snap_bytes;
     CUDA_CHECK(cudaMemcpyAsync(save ? p : g->state, save ? g->state : p, g->snap_bytes, cudaMemcpyDeviceToDevice, g->stream));
+    if (!save) g->kept_n = 0;   /* the states kept for rewind are not this state's */
 }
 
 /* Every Mamba layer's state := the one after token t of the last forward run with r->keep: one copy in

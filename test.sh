@@ -546,6 +546,11 @@ else
             check "GPU $f: MTP logits at every position within $tol of the oracle" "$T/compare_logits" "$T/gpu-$f.mtp" "$d/mtp_logits.bin" "$tol"
         fi
     done
+    # a prompt of 3 tokens (a chunk no longer than a verify forward) runs as a prompt with and without --mtp
+    plain=$(./nemoh -m tests/fixtures/tiny-moe-bf16 --ids "5 6 7" -n 24 -t 0 --mtp 0 --dump-logits "$T/gpu-short-m0.bin" 2>/dev/null)
+    got=$(NEMOH_TEST_DRAFTS="$plain" ./nemoh -m tests/fixtures/tiny-moe-bf16 --ids "5 6 7" -n 24 -t 0 --mtp 3 --dump-logits "$T/gpu-short-m3.bin" 2>/dev/null)
+    same "GPU tiny-moe-bf16, a 3-token prompt, --mtp 3 (forced drafts): tokens equal --mtp 0" "$got" "$plain"
+    check "GPU tiny-moe-bf16, a 3-token prompt, --mtp 3: logits equal --mtp 0 (bitwise)" "$T/compare_logits" "$T/gpu-short-m3.bin" "$T/gpu-short-m0.bin" 0
     ./nemoh -m weights --ids "$(cat tests/fixtures/default-ref/ids.txt)" -n 1 -t 0 --mtp 3 --dump-mtp "$T/gdefm.bin" >/dev/null 2>&1
     check "GPU default model: MTP logits on held-out text within 5e-2 of the oracle" "$T/compare_logits" "$T/gdefm.bin" \
         tests/fixtures/default-ref/mtp_logits.bin 5e-2

@@ -198,7 +198,7 @@ static void test_gemv_tokens(int fmt, int rows, int cols, int T, int epi, int gr
     for (int t = 0; t < T; t++) for (int k = 0; k < cols; k++) x[(size_t)t * ldx + k] = uni();
     for (auto &v : ss) v = 0.5f + (uni() + 1) * gsize;
     GpuRank g = make_rank(8);
-    g.dec_t = T;
+    g.dec_t = g.dec_now = T;
     float *dx = dev_copy(x), *dss = dev_copy(ss), *many = dev_copy(std::vector<float>((size_t)T * ldo, NAN));
     float *one = dev_copy(std::vector<float>((size_t)T * ldo, NAN));
     GroupScale gs = {dss, parts, gsize, 1e-5f, (size_t)groups * parts};
@@ -308,7 +308,7 @@ static void test_mtp_in(int fe, int fw, int H, int T, int row, int dec_t) {
     c.n_mtp = 1;
     GpuRank g = make_rank((size_t)T * pad8(2 * H));
     g.act_w = pad8(2 * H);
-    g.dec_t = dec_t;
+    g.dec_t = g.dec_now = dec_t;
     Mat ev = view(emb, 0, V, 0, H), wv = view(W, 0, H, 0, 2 * H);
     g.embed = upload_mat(&ev, 1);
     g.eh_proj = upload_mat(&wv, 1);
@@ -1034,7 +1034,7 @@ static void test_moe_tokens(int fe, int fs, int E, int K, int m, int S, int hidd
     L.gate = dev_copy(rand_vec((size_t)E * hidden, 3.0f / sqrtf((float)hidden)));
     L.gate_bias = dev_copy(rand_vec(E, 0.05f));
     GpuRank g = make_rank(8);
-    g.dec_t = T;
+    g.dec_t = g.dec_now = T;
     moe_alloc(&g, &ms, T);
     float *x = dev_copy(rand_vec((size_t)T * hidden)), *many = dev_copy(std::vector<float>((size_t)T * hidden, NAN));
     float *one = dev_copy(std::vector<float>((size_t)T * hidden, NAN));
@@ -1582,12 +1582,12 @@ static void time_gemv_tokens(int rows, int cols, int fmt = DT_BF16) {
     float *dx = dev_copy(rand_vec((size_t)DECODE_T * cols)), *dout = dev_copy(std::vector<float>((size_t)DECODE_T * rows));
     printf("# gemv %s %dx%d, T tokens: decoded / one by one / cuBLAS, us:", fmt_name(fmt), rows, cols);
     for (int T : {2, 4, 8, 9}) {
-        g.dec_t = T;
+        g.dec_t = g.dec_now = T;
         float dec = time_us(g.stream, 50, [&] { matmul(&g, dout, rows, dx, cols, T, &W, 0, nullptr, nullptr); });
         float one = time_us(g.stream, 20, [&] {
             for (int t = 0; t < T; t++) matmul(&g, dout + (size_t)t * rows, rows, dx + (size_t)t * cols, cols, 1, &W, 0, nullptr, nullptr);
         });
-        g.dec_t = 1;
+        g.dec_t = g.dec_now = 1;
         float blas = time_us(g.stream, 50, [&] { matmul(&g, dout, rows, dx, cols, T, &W, 0, nullptr, nullptr); });
         printf("  T=%d %.1f / %.1f / %.1f", T, dec, one, blas);
     }
@@ -1620,7 +1620,7 @@ static void time_moe(const char *name, int E, int K, int m, int S, int hidden, i
     L.gate_bias = dev_copy(rand_vec(E, 0.05f));
     GpuRank g = make_rank(8);
     g.x = dev_copy(rand_vec((size_t)T * hidden));
-    g.dec_t = T;
+    g.dec_t = g.dec_now = T;
     moe_alloc(&g, &ms, T);
     float *out = dev_copy(std::vector<float>((size_t)T * hidden));
     float us = time_us(g.stream, 50, [&] {
