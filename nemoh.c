@@ -1064,6 +1064,7 @@ static int dec_at(const Decoder *d) { return d->pos - (d->n_tok - d->next); }
  * follows it (fills the block's cache); the last one's waits for the token after ids[n_ids - 1]. */
 static void dec_prefill(Decoder *d, const int *ids, int from, int to, int n_ids) {
     Engine *e = d->e;
+    d->mtp_from = -1;
     for (int pos = from, T; pos < to; pos += T) {
         T = to - pos < e->rank[0].t_max ? to - pos : e->rank[0].t_max;
         engine_forward(e, ids + pos, T, pos, d->dump, 0);
