@@ -1027,7 +1027,7 @@ typedef struct {
     const int *ids;             /* the prompt whose last chunk's MTP pass waits for the first token */
     int mtp_from;               /* that chunk's first position, -1: none waits */
     int gen0;                   /* position of the first token sampled after a prefill */
-    const int *force;           /* test hook (NEMOH_TEST_DRAFTS): drafts from a recorded greedy run */
+    const int *force;           /* test hook (NEMOH_TEST_DRAFTS): drafts from a recorded run */
     int n_force;                /* its tokens, for positions gen0.. */
     long steps, fed, accepted;  /* verify steps, drafts fed, drafts accepted */
     long hist[SPEC_MAX + 1];    /* steps by drafts accepted */
@@ -1038,7 +1038,7 @@ typedef struct {
 
 /* Drafts a step when the model has an MTP block and --mtp is not given: none. On the default model
  * (its trained block, acceptance length 2.7 at 3 drafts) drafting measured slower on both backends:
- * 690 against 1,050 tok/s on the 2-core CPU, 6,050 against 9,120 on one H200 (bench/RESULTS.md). */
+ * 639 against 944 tok/s on the 2-core CPU, 6,053 against 9,119 on one H200 (bench/RESULTS.md). */
 enum { MTP_DEFAULT = 0 };
 
 static void *tok_grow(void *p, size_t *cap, size_t need, size_t size);
@@ -1048,7 +1048,6 @@ static int *parse_ids(const char *s, int *n);
 static void dump_rows(const float *l, int rows, int vocab, FILE *f, const char *flag) {
     if (fwrite(l, sizeof(float), (size_t)rows * vocab, f) != (size_t)rows * vocab) die("%s: write failed", flag);
 }
-
 
 /* The first rows of the logits the engine just made, as those of positions pos..pos+rows-1. */
 static void dec_keep_rows(Decoder *d, float **buf, size_t *cap, int pos, int rows) {
