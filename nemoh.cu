@@ -21,6 +21,7 @@
 #include <nccl.h>
 #include <nccl_device.h>
 #include <float.h>
+#include <type_traits>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,7 +43,7 @@
 #define NCCL_CHECK(call) do { ncclResult_t r_ = (call); if (r_ != ncclSuccess) { \
     fprintf(stderr, "nemoh: %s:%d: %s: %s\n", __FILE__, __LINE__, #call, ncclGetErrorString(r_)); exit(1); } } while (0)
 
-static int cdiv(long a, long b) { return (int)((a + b - 1) / b); }
+static __host__ __device__ int cdiv(long a, long b) { return (int)((a + b - 1) / b); }
 
 /* Every kernel is launched through LAUNCH(grid, block, smem, stream, kernel, args...): checked, and
  * with programmatic dependent launch, so the GPU may start a kernel while the one before it drains
@@ -190,13 +191,14 @@ typedef struct {
     float *moe_logits;          /* [t_max, n_experts] router logits */
     unsigned *moe_done;         /* [1] decode router blocks finished (the last one chooses, then resets it) */
     int *moe_off;               /* [n_experts + 1] prompt: first row of each expert's (token, slot) pairs */
+    int *moe_tile;              /* [n_experts + 1] prompt: first row tile (MG_BM rows) of each expert's pairs */
     int *moe_tok, *moe_row;     /* [t_max * top_k] a row's token; a pair's row */
-    int *host_off;              /* [n_experts + 1] pinned copy of moe_off */
     void *moe_act;              /* [t_max * top_k, moe_lda] experts' input rows, bf16 or fp32 */
-    float *moe_h;               /* [t_max * top_k, moe] up outputs (decoded: [T, top_k * pad8(moe) + shared]) */
+    float *moe_h;               /* [t_max * top_k, pad8(moe)] relu(up)^2 in moe_act's dtype (decoded: fp32
+                                   [T, top_k * pad8(moe) + shared]) */
     float *moe_y;               /* [t_max * top_k, d] routed outputs, a row a pair */
     float *moe_z, *moe_ylat;    /* [t_max, latent] fc1 output; weighted routed sum before fc2 */
-    int moe_lda;                /* row stride of moe_act: max(d, moe) rounded up to 8 */
+    int moe_lda;                /* row stride of moe_act: d rounded up to 8 */
     int rows;                   /* logits rows the last step wrote */
     int proj_w, y_w, act_w;     /* columns of proj, y (proj_width, y_width) and act16 (the widest input) */
     int splits;                 /* decode attention splits a head (attn_splits) */
@@ -2345,11 +2347,15 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
     }
 }
 
+/* Rows of a row tile of the grouped expert products (moe_gemm_kernel): a tile holds one expert's rows. */
+enum { MG_BM = 128 };
+
 /* A prompt's TK = T K (token, slot) pairs p = t K + k, grouped by expert and in p order within one:
- * off[e] = the first row of expert e's pairs (off[E] = TK), tok[row] = the pair's token, row_of[p] =
- * its row. One block: counts by shared-memory atomics, a scan, then warp 0 places 32 pairs at a time,
+ * off[e] = the first row of expert e's pairs (off[E] = TK), tile[e] = its first row tile (tile[E]: all
+ * of them), tok[row] = the pair's token, row_of[p] = its row. One block: counts by shared-memory atomics, a scan, then warp 0 places 32 pairs at a time,
  * in order (lanes with the same expert find their order among themselves with __match_any_sync). */
-__global__ void __launch_bounds__(1024) moe_sort_kernel(int *off, int *tok, int *row_of, const int *idx, int TK, int K, int E) {
+__global__ void __launch_bounds__(1024) moe_sort_kernel(int *off, int *tile, int *tok, int *row_of, const int *idx, int TK, int K,
+                                                        int E) {
     __shared__ int at[MOE_MAX_EXPERTS];   /* counts, then each expert's next free row */
     pdl_wait();
     for (int e = threadIdx.x; e < E; e += blockDim.x) at[e] = 0;
@@ -2357,9 +2363,16 @@ __global__ void __launch_bounds__(1024) moe_sort_kernel(int *off, int *tok, int 
     for (int p = threadIdx.x; p < TK; p += blockDim.x) atomicAdd(&at[idx[p]], 1);
     __syncthreads();
     if (threadIdx.x == 0) {
-        int run = 0;
-        for (int e = 0; e < E; e++) { int n = at[e]; off[e] = at[e] = run; run += n; }
+        int run = 0, tiles = 0;
+        for (int e = 0; e < E; e++) {
+            int n = at[e];
+            off[e] = at[e] = run;
+            tile[e] = tiles;
+            run += n;
+            tiles += cdiv(n, MG_BM);
+        }
         off[E] = run;
+        tile[E] = tiles;
     }
     __syncthreads();
     if (threadIdx.x >= 32) return;
@@ -2400,6 +2413,27 @@ __global__ void moe_combine_kernel(float *out, int ldo, int add, const float *y,
     *o = add ? *o + acc : acc;
 }
 
+/* A 16-byte piece of a quantized row (FP8: 16 elements, NVFP4: 32 with their two block scales bs) as
+ * bf16, times the row's scale s, in mat_elem's order (the same value before rounding): fmt_per / 8
+ * pieces of 8 bf16 into o; the elements from `valid` on are zeros. */
+template <int FMT> __device__ __forceinline__ void dequant_piece(uint4 w, const uint8_t *bs, float s, int valid, uint4 *o) {
+    constexpr int per = fmt_per(FMT);
+    uint32_t u[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j0 = 0; j0 < per; j0 += 8) {
+        float v[8];
+#pragma unroll
+        for (int j = j0; j < j0 + 8; j++) {
+            unsigned b = u[j * 16 / per / 4] >> (j * 16 / per % 4 * 8) & 0xFF;   /* the byte holding element j */
+            float x = FMT == DT_FP8 ? e4m3f(b) * s : e2m1f(j & 1 ? b >> 4 : b & 15) * (e4m3f(bs[j / 16]) * s);
+            v[j - j0] = j < valid ? x : 0.0f;
+        }
+        __nv_bfloat162 h[4] = {__floats2bfloat162_rn(v[0], v[1]), __floats2bfloat162_rn(v[2], v[3]),
+                               __floats2bfloat162_rn(v[4], v[5]), __floats2bfloat162_rn(v[6], v[7])};
+        o[j0 / 8] = *(const uint4 *)h;
+    }
+}
+
 /* A prompt's product with a quantized matrix runs on the tensor cores in bf16: rows r0 .. r0 +
  * gridDim.y of W, dequantized (scale included), out[i][k] = bf16(W[r0 + i][k]) (ldo a multiple of 8).
  * A thread a 16-byte piece of a row: one load, 16-byte stores. */
@@ -2416,20 +2450,176 @@ template <int FMT> __global__ void dequant_kernel(bf16 *out, int ldo, const GMat
         for (int k = k0; k < W.cols; k++) o[k - k0] = __float2bfloat16(mat_elem(W, row, k));
         return;
     }
-    uint4 w = *((const uint4 *)p + c);
-    uint32_t u[4] = {w.x, w.y, w.z, w.w};
-    float s = W.rs[row], v[per];
+    dequant_piece<FMT>(*((const uint4 *)p + c), bs ? bs + k0 / 16 : NULL, W.rs[row], per, (uint4 *)o);
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Kernels: a prompt's expert products, every expert in one grouped product
+ * ---------------------------------------------------------------------------------------------- */
+
+/* A block computes one tile: MG_BM rows of the inputs (pairs of one expert) by MG_BN rows of that
+ * expert's matrix, walking K 64 bytes of the inputs' rows at a time (32 bf16 or 16 fp32 elements).
+ * Eight warps, 2 x 4, each 64 x 32 outputs as 4 x 4 tiles of 16 x 8. bf16 tiles meet on the tensor
+ * cores (mma.sync m16n8k16, fp32 accumulators); fp32 ones (fp32 W) in fp32 FMAs, each thread
+ * computing the outputs its mma accumulators would hold. MG_LDS: bytes a shared row, 64 + 16 pad
+ * (the 8 rows an ldmatrix reads fall in different banks). */
+enum { MG_BN = 128, MG_THREADS = 256, MG_LDS = 80 };
+
+/* The grouped product: out[r][j] = epi(sum_k a[r][k] W[e n + j][k]) for the rows r of every expert
+ * e (off[e] .. off[e + 1] - 1) and j < n; epi: relu(.)^2 in a's dtype (relu2), else fp32. */
+typedef struct {
+    GMat W;                     /* [E * n, cols] every expert's matrix, expert e's rows from e * n */
+    const void *a;              /* [pairs, lda] inputs grouped by expert: bf16, or fp32 for fp32 W */
+    void *out;                  /* [pairs, ldo] */
+    int lda, ldo;               /* row strides, elements (multiples of 8) */
+    int n, relu2;               /* rows of one expert's matrix; the epilogue */
+    const int *off, *tile;      /* [E + 1] each expert's first row of a, its first row tile (moe_sort_kernel) */
+    int E;
+} MoeGemm;
+
+/* A 16-byte piece of a bf16 or fp32 row with its elements from `valid` on zeroed. */
+template <typename A> __device__ __forceinline__ uint4 piece_head(uint4 v, int valid) {
+    constexpr int per = 16 / sizeof(A);
+    if (valid >= per) return v;
+    A *e = (A *)&v;
 #pragma unroll
-    for (int j = 0; j < per; j++) {
-        unsigned b = u[j * 16 / per / 4] >> (j * 16 / per % 4 * 8) & 0xFF;   /* the byte holding element j */
-        v[j] = FMT == DT_FP8 ? e4m3f(b) * s : e2m1f(j & 1 ? b >> 4 : b & 15) * (e4m3f(bs[(k0 + j) / 16]) * s);
+    for (int i = 0; i < per; i++)
+        if (i >= valid) e[i] = A(0.0f);
+    return v;
+}
+
+/* Shared-memory tiles of a step, in buffer `buf`: rows 0 .. MG_BM - 1 the inputs, then MG_BN rows of W. */
+typedef char MgTiles[2][MG_BM + MG_BN][MG_LDS];
+
+template <int F> __global__ void __launch_bounds__(MG_THREADS, 2) moe_gemm_kernel(const __grid_constant__ MoeGemm p) {
+    typedef std::conditional_t<F == DT_F32, float, bf16> A;
+    constexpr int AE = 16 / sizeof(A), KS = 4 * AE;   /* elements in a 16-byte piece; of K a step */
+    constexpr int WP = F == DT_F32 || F == DT_BF16 ? 2 : 1;   /* 16-byte pieces of W a thread loads a step */
+    __shared__ __align__(16) MgTiles sm;
+    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3, wm = warp >> 2, wn = warp & 3;
+    pdl_wait();
+    int bt = blockIdx.y;
+    if (bt >= p.tile[p.E]) return;
+    int e = 0;   /* the expert of row tile bt: the last e with tile[e] <= bt */
+    for (int hi = p.E; hi - e > 1;) {
+        int mid = (e + hi) / 2;
+        if (p.tile[mid] <= bt) e = mid; else hi = mid;
     }
+    int r0 = p.off[e] + (bt - p.tile[e]) * MG_BM, rend = p.off[e + 1], j0 = blockIdx.x * MG_BN, K = p.W.cols;
+    const GMat &W = p.W;
+    size_t wb = row_bytes(F, W.ld);
+    uint4 ra[2], rw[WP];
+    float rs = 0.0f;
+    uint8_t bsv[2] = {0, 0};
+    /* a step's loads into registers: two pieces of a for each thread (rows q / 4, piece q % 4); of W two
+       pieces (bf16, fp32), one (FP8: rows tid / 2), or one for threads < 128 (NVFP4: a row each) */
+    auto load = [&](int k0) {
 #pragma unroll
-    for (int j = 0; j < per; j += 8) {
-        __nv_bfloat162 h[4] = {__floats2bfloat162_rn(v[j], v[j + 1]), __floats2bfloat162_rn(v[j + 2], v[j + 3]),
-                               __floats2bfloat162_rn(v[j + 4], v[j + 5]), __floats2bfloat162_rn(v[j + 6], v[j + 7])};
-        *(uint4 *)(o + j) = *(const uint4 *)h;
+        for (int i = 0; i < 2; i++) {
+            int q = tid + i * MG_THREADS, r = r0 + (q >> 2), k = k0 + (q & 3) * AE;
+            ra[i] = r < rend && k < K ? *(const uint4 *)((const A *)p.a + (size_t)r * p.lda + k) : make_uint4(0, 0, 0, 0);
+        }
+        if constexpr (F == DT_F32 || F == DT_BF16) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                int q = tid + i * MG_THREADS, j = j0 + (q >> 2), k = k0 + (q & 3) * AE;
+                rw[i] = j < p.n && k < K ? *(const uint4 *)((const char *)W.w + ((size_t)e * p.n + j) * wb + k * sizeof(A))
+                                         : make_uint4(0, 0, 0, 0);
+            }
+        } else {
+            constexpr int per = fmt_per(F);
+            int j = j0 + (F == DT_FP8 ? tid >> 1 : tid), k = k0 + (F == DT_FP8 ? (tid & 1) * per : 0);
+            rw[0] = make_uint4(0, 0, 0, 0);
+            if ((F == DT_FP8 || tid < MG_BN) && j < p.n && k < K) {
+                size_t row = (size_t)e * p.n + j;
+                rw[0] = *(const uint4 *)((const char *)W.w + row * wb + k / per * 16);
+                rs = W.rs[row];
+                if (F == DT_NVFP4) { bsv[0] = W.bs[row * (W.ld / 16) + k / 16]; bsv[1] = W.bs[row * (W.ld / 16) + k / 16 + 1]; }
+            }
+        }
+    };
+    /* ... then into shared memory, the elements from K on zeroed, W dequantized to bf16 */
+    auto store = [&](int k0, int buf) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            int q = tid + i * MG_THREADS, k = k0 + (q & 3) * AE;
+            *(uint4 *)&sm[buf][q >> 2][(q & 3) * 16] = piece_head<A>(ra[i], K - k);
+        }
+        if constexpr (F == DT_F32 || F == DT_BF16) {
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                int q = tid + i * MG_THREADS, k = k0 + (q & 3) * AE;
+                *(uint4 *)&sm[buf][MG_BM + (q >> 2)][(q & 3) * 16] = piece_head<A>(rw[i], K - k);
+            }
+        } else if (F == DT_FP8 || tid < MG_BN) {
+            constexpr int per = fmt_per(F);
+            int row = F == DT_FP8 ? tid >> 1 : tid, k = k0 + (F == DT_FP8 ? (tid & 1) * per : 0);
+            dequant_piece<F>(rw[0], bsv, rs, K - k, (uint4 *)&sm[buf][MG_BM + row][F == DT_FP8 ? (tid & 1) * 32 : 0]);
+        }
+    };
+    float acc[4][4][4] = {};
+    int steps = cdiv(K, KS);
+    load(0);
+    store(0, 0);
+    __syncthreads();
+    for (int s = 0; s < steps; s++) {
+        if (s + 1 < steps) load((s + 1) * KS);   /* in flight while this step computes */
+        if constexpr (F == DT_F32) {
+            const float *sa = (const float *)sm[s & 1][wm * 64], *sb = (const float *)sm[s & 1][MG_BM + wn * 32];
+            constexpr int L = MG_LDS / 4;
+#pragma unroll 4
+            for (int k = 0; k < KS; k++) {
+                float a[4][2], b[4][2];
+#pragma unroll
+                for (int i = 0; i < 4; i++) { a[i][0] = sa[(i * 16 + g) * L + k]; a[i][1] = sa[(i * 16 + g + 8) * L + k]; }
+#pragma unroll
+                for (int n = 0; n < 4; n++) { b[n][0] = sb[(n * 8 + 2 * c) * L + k]; b[n][1] = sb[(n * 8 + 2 * c + 1) * L + k]; }
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int n = 0; n < 4; n++)
+#pragma unroll
+                        for (int h = 0; h < 4; h++) acc[i][n][h] = fmaf(a[i][h >> 1], b[n][h & 1], acc[i][n][h]);
+            }
+        } else {
+            const bf16 *sa = (const bf16 *)sm[s & 1][wm * 64], *sb = (const bf16 *)sm[s & 1][MG_BM + wn * 32];
+            constexpr int L = MG_LDS / 2;
+#pragma unroll
+            for (int k0 = 0; k0 < KS; k0 += 16) {
+                uint32_t af[4][4], bf[2][4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) ldsm_x4<false>(af[i], &sa[(i * 16 + (lane & 15)) * L + k0 + (lane >> 4) * 8]);
+#pragma unroll
+                for (int n = 0; n < 2; n++) ldsm_x4<false>(bf[n], &sb[(n * 16 + (lane >> 4) * 8 + (lane & 7)) * L + k0 + (lane >> 3 & 1) * 8]);
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int n = 0; n < 4; n++) mma_bf16(acc[i][n], af[i], bf[n >> 1][(n & 1) * 2], bf[n >> 1][(n & 1) * 2 + 1]);
+            }
+        }
+        if (s + 1 < steps) store((s + 1) * KS, (s + 1) & 1);
+        __syncthreads();
     }
+    /* accumulator h of tile (i, n): row g + 8 (h / 2), column 2 c + h % 2 of the tile */
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int h = 0; h < 4; h++) {
+            int r = r0 + wm * 64 + i * 16 + g + (h >> 1) * 8;
+            if (r >= rend) continue;
+#pragma unroll
+            for (int n = 0; n < 4; n++) {
+                int j = j0 + wn * 32 + n * 8 + 2 * c + (h & 1);
+                if (j >= p.n) continue;
+                float v = acc[i][n][h];
+                if (p.relu2) {
+                    v = fmaxf(v, 0.0f);
+                    ((A *)p.out)[(size_t)r * p.ldo + j] = A(v * v);
+                } else {
+                    ((float *)p.out)[(size_t)r * p.ldo + j] = v;
+                }
+            }
+        }
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -2956,6 +3146,15 @@ template <int NT> static void (*moe_down_for(int f))(float *, int, const int *, 
          : f == DT_NVFP4 ? moe_down_kernel<DT_NVFP4, NT> : moe_down_kernel<FMT_ANY, NT>;
 }
 
+/* Launches the grouped product over every expert's pairs (MoeGemm): out = epi(a W_e^T), TK pairs. */
+static void moe_gemm(GpuRank *g, const GMat &W, const void *a, int lda, void *out, int ldo, int n, int relu2, int TK, int E) {
+    MoeGemm mg = {W, a, out, lda, ldo, n, relu2, g->moe_off, g->moe_tile, E};
+    auto kernel = W.fmt == DT_F32 ? moe_gemm_kernel<DT_F32> : W.fmt == DT_BF16 ? moe_gemm_kernel<DT_BF16>
+                : W.fmt == DT_FP8 ? moe_gemm_kernel<DT_FP8> : moe_gemm_kernel<DT_NVFP4>;
+    /* the row tiles of all experts together: at most one partial tile for each expert with pairs */
+    LAUNCH(dim3(cdiv(n, MG_BN), cdiv(TK, MG_BM) + std::min(E, TK)), MG_THREADS, 0, g->stream, kernel, mg);
+}
+
 /* Launches moe_down_kernel for `rows` output rows (warps a row as gemv_wpr picks for the bytes of the
  * whole width); the last wave warms L2 for `next`. */
 static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, const GMat *next) {
@@ -2978,8 +3177,8 @@ static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, const 
  * any mixer's (fc2 is linear: applied to the rank's own partial latent sum). Decoded tokens: the
  * shared and chosen experts' up products in one launch, their down products in one more (two for
  * latent MoE, whose fc2 shares the second with the shared expert's down). A prompt: its (token, slot) pairs
- * grouped by expert on the GPU, then one cuBLAS product per expert with tokens. cuBLAS takes its
- * sizes from the host, so the group sizes are copied back: one sync per layer, in prefill only. */
+ * grouped by expert on the GPU, then one grouped product for every expert's up and one for the downs,
+ * their group sizes read on the GPU (no sync with the host), then the slots summed in token order. */
 static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *out, int T, const GMat *next) {
     int bf = lowp(&L->eup), mp = pad8(ms->m), K = ms->K, m = ms->m, d = ms->d;
     const float *z = g->x;
@@ -3004,32 +3203,15 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
         }
         return;
     }
-    int TK = T * K, la = g->moe_lda;
-    size_t es = bf ? 2 : 4;
-    LAUNCH(1, 1024, 0, g->stream, moe_sort_kernel, g->moe_off, g->moe_tok, g->moe_row, (const int *)g->moe_idx, TK, K, ms->E);
-    CUDA_CHECK(cudaMemcpyAsync(g->host_off, g->moe_off, (ms->E + 1) * sizeof(int), cudaMemcpyDeviceToHost, g->stream));
-    LAUNCH(TK, 256, 0, g->stream, moe_gather_kernel, g->moe_act, bf, la, z, d, (const int *)g->moe_tok, d);
-    /* the shared expert first: out = sdown relu(sup x)^2; the routed sum is added to it */
+    int TK = T * K;
+    LAUNCH(1, 1024, 0, g->stream, moe_sort_kernel, g->moe_off, g->moe_tile, g->moe_tok, g->moe_row, (const int *)g->moe_idx, TK, K,
+           ms->E);
+    LAUNCH(TK, 256, 0, g->stream, moe_gather_kernel, g->moe_act, bf, g->moe_lda, z, d, (const int *)g->moe_tok, d);
+    /* h = relu(up a)^2 in a's dtype, y = down h (fp32), a pair a row */
+    moe_gemm(g, L->eup, g->moe_act, g->moe_lda, g->moe_h, mp, m, 1, TK, ms->E);
+    moe_gemm(g, L->edown, g->moe_h, mp, g->moe_y, d, d, 0, TK, ms->E);
+    /* the shared expert: out = sdown relu(sup x)^2; the routed sum is added to it */
     relu2_mlp(g, out, ms->H, g->x, ms->H, T, &L->sup, &L->sdown, NULL);
-    CUDA_CHECK(cudaStreamSynchronize(g->stream));   /* host_off: the experts' rows */
-    const int *off = g->host_off;
-    for (int e = 0; e < ms->E; e++)
-        if (off[e + 1] > off[e])
-            gemm_rows(g, g->moe_h + (size_t)off[e] * m, m, (const char *)g->moe_act + (size_t)off[e] * la * es, la, off[e + 1] - off[e],
-                      &L->eup, e * m, m, 0.0f);
-    const void *h = g->moe_h;   /* relu^2: in place (fp32), or as the rows are converted for down (bf16) */
-    int ldh = m;
-    if (bf) {
-        LAUNCH(TK, 256, 0, g->stream, to_bf16_kernel<1>, (bf16 *)g->moe_act, la, (const float *)g->moe_h, m, m);
-        h = g->moe_act;
-        ldh = la;
-    } else {
-        LAUNCH(cdiv((long)TK * m, 256), 256, 0, g->stream, relu2_kernel, g->moe_h, (size_t)TK * m);
-    }
-    for (int e = 0; e < ms->E; e++)
-        if (off[e + 1] > off[e])
-            gemm_rows(g, g->moe_y + (size_t)off[e] * d, d, (const char *)h + (size_t)off[e] * ldh * es, ldh, off[e + 1] - off[e],
-                      &L->edown, e * d, d, 0.0f);
     LAUNCH(dim3(cdiv(d, 256), T), 256, 0, g->stream, moe_combine_kernel, ms->lat ? g->moe_ylat : out, d, ms->lat ? 0 : 1,
            (const float *)g->moe_y, d, (const int *)g->moe_row, (const float *)g->moe_w, K, d);
     if (ms->lat) {   /* out += fc2(routed latent sum) */
@@ -3322,8 +3504,8 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
                  (c->latent ? mat_bytes(&L->lat_in, c->latent, quant) + mat_bytes(&L->lat_out, (int)H, quant) : 0);
     }
     if (has_kind(c, K_MOE)) {   /* moe_alloc's buffers */
-        size_t TK = T * c->top_k, d = c->latent ? c->latent : H, la = pad8(std::max((int)d, s->moe));
-        b += TK * (3 + la + s->moe + d) * f + T * ((size_t)c->n_experts + 2 * c->latent) * f +
+        size_t TK = T * c->top_k, d = c->latent ? c->latent : H;
+        b += TK * (3 + pad8((int)d) + pad8(s->moe) + d) * f + T * ((size_t)c->n_experts + 2 * c->latent) * f +
              (size_t)g->dec_t * pad8(c->top_k * pad8(s->moe) + s->shared) * f;
     }
     b += T * H * (f * 5 + 2) + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
@@ -3336,28 +3518,27 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
 /* The MoE buffers for steps of up to t tokens (gpu_init, and the kernel tests). */
 static void moe_alloc(GpuRank *g, const MoeShape *ms, int t) {
     size_t TK = (size_t)t * ms->K;
-    g->moe_lda = pad8(std::max(ms->d, ms->m));
+    g->moe_lda = pad8(ms->d);
     CUDA_CHECK(cudaMalloc(&g->moe_idx, TK * sizeof(int)));
     CUDA_CHECK(cudaMalloc(&g->moe_done, sizeof(unsigned)));
     CUDA_CHECK(cudaMemset(g->moe_done, 0, sizeof(unsigned)));
     CUDA_CHECK(cudaMalloc(&g->moe_off, (ms->E + 1) * sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&g->moe_tile, (ms->E + 1) * sizeof(int)));
     CUDA_CHECK(cudaMalloc(&g->moe_tok, TK * sizeof(int)));
     CUDA_CHECK(cudaMalloc(&g->moe_row, TK * sizeof(int)));
-    CUDA_CHECK(cudaMallocHost(&g->host_off, (ms->E + 1) * sizeof(int)));
     g->moe_w = zeros(TK);
     g->moe_logits = zeros((size_t)t * ms->E);
     g->moe_act = zeros(TK * g->moe_lda);
-    g->moe_h = zeros(std::max(TK * ms->m, (size_t)std::min(t, std::max(g->dec_t, 1)) * pad8(ms->K * pad8(ms->m) + ms->S)));
+    g->moe_h = zeros(std::max(TK * pad8(ms->m), (size_t)std::min(t, std::max(g->dec_t, 1)) * pad8(ms->K * pad8(ms->m) + ms->S)));
     g->moe_y = zeros(TK * ms->d);
     g->moe_z = zeros((size_t)t * ms->lat);
     g->moe_ylat = zeros((size_t)t * ms->lat);
 }
 
 static void moe_free(GpuRank *g) {
-    void *ptrs[] = {g->moe_idx, g->moe_done, g->moe_off, g->moe_tok, g->moe_row, g->moe_w, g->moe_logits, g->moe_act,
+    void *ptrs[] = {g->moe_idx, g->moe_done, g->moe_off, g->moe_tile, g->moe_tok, g->moe_row, g->moe_w, g->moe_logits, g->moe_act,
                     g->moe_h, g->moe_y, g->moe_z, g->moe_ylat};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
-    if (g->host_off) CUDA_CHECK(cudaFreeHost(g->host_off));
 }
 
 static void gpu_init(Rank *r) {

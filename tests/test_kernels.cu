@@ -891,7 +891,7 @@ static void test_moe_router(int E, int K, int n_group, int topk_group, int norm,
  * up is rows [r m, (r + 1) m) of a [2m, d] tensor and its down the same columns of a [d, 2m] one
  * (rank r = 1 of 2), uploaded as gpu_init does. Where the prompt path feeds cuBLAS bf16 operands
  * (activations, and a quantized matrix's dequantized values), the reference rounds them too. */
-static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hidden, int lat, int T) {
+static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hidden, int lat, int T, int skew = 0) {
     int d = lat ? lat : hidden, rb = fe != DT_F32 && T > 1, qe = rb && fe >= DT_FP8, qs = rb && fs >= DT_FP8;
     MoeShape ms = {E, K, m, S, hidden, lat, d};
     std::vector<HostMat> up, down;
@@ -920,13 +920,14 @@ static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hi
         v = view(lo, 0, hidden, 0, lat);
         L.lat_out = upload_mat(&v, 1);
     }
-    /* a random choice: K distinct experts a token, weights in (0, 2) */
+    /* a random choice: K distinct experts a token, weights in (0, 2); skew: expert 0 in 9 of 10 tokens */
     std::vector<int> idx((size_t)T * K);
     std::vector<float> w((size_t)T * K), x = rand_vec((size_t)T * hidden);
     for (int t = 0; t < T; t++) {
         std::vector<int> perm(E);
         for (int e = 0; e < E; e++) perm[e] = e;
         std::shuffle(perm.begin(), perm.end(), rng);
+        if (skew && t % 10 != 9) std::iter_swap(perm.begin(), std::find(perm.begin(), perm.end(), 0));
         for (int k = 0; k < K; k++) { idx[(size_t)t * K + k] = perm[k]; w[(size_t)t * K + k] = 1.0f + uni(); }
     }
     GpuRank g = make_rank((size_t)T * pad8(std::max({hidden, S, lat})));
@@ -936,7 +937,7 @@ static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hi
     g.x16 = dev_copy_as<bf16>(x);   /* as the norm writes it for a prompt */
     moe_alloc(&g, &ms, T);
     /* NaN in every buffer the products write: a read of something not written shows */
-    CUDA_CHECK(cudaMemset(g.moe_h, 0xff, std::max((size_t)T * K * m, (size_t)K * pad8(m) + S) * sizeof(float)));
+    CUDA_CHECK(cudaMemset(g.moe_h, 0xff, std::max((size_t)T * K * pad8(m), (size_t)K * pad8(m) + S) * sizeof(float)));
     CUDA_CHECK(cudaMemset(g.moe_y, 0xff, (size_t)T * K * d * sizeof(float)));
     CUDA_CHECK(cudaMemset(g.moe_act, 0xff, (size_t)T * K * g.moe_lda * sizeof(float)));
     if (lat) {   /* without a latent size these two are not allocated */
@@ -986,20 +987,22 @@ static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hi
         }
     }
     char what[160];
-    snprintf(what, sizeof what, "moe %s %s/%s: %d experts top %d, %d / shared %d rows, hidden %d, latent %d, %d token%s",
-             T == 1 ? "decode" : "prompt", fmt_name(fe), fmt_name(fs), E, K, m, S, hidden, lat, T, T > 1 ? "s" : "");
+    snprintf(what, sizeof what, "moe %s %s/%s: %d experts top %d, %d / shared %d rows, hidden %d, latent %d, %d token%s%s",
+             T == 1 ? "decode" : "prompt", fmt_name(fe), fmt_name(fs), E, K, m, S, hidden, lat, T, T > 1 ? "s" : "",
+             skew ? ", skewed" : "");
     /* bf16 prompt: the reference rounds where the GPU does, but a value that fp32 and float64 sums put on
        either side of a bf16 rounding boundary moves by an ulp (2^-8): with a latent sum rounded before
        fc2 that reached 1.2e-3 of the largest output on one seed */
     expect(what, host_copy(out, ref.size()), ref, rb ? (lat ? 3e-3 : 1e-3) : 2e-5);
-    if (T > 1) {   /* the grouping: each expert's rows contiguous, in (token, slot) order within it */
-        std::vector<int> off(E + 1), tok((size_t)T * K), row((size_t)T * K), cnt(E, 0), seen(E, -1);
+    if (T > 1) {   /* the grouping: each expert's rows contiguous, in (token, slot) order within it; its row tiles */
+        std::vector<int> off(E + 1), tile(E + 1), tok((size_t)T * K), row((size_t)T * K), cnt(E, 0), seen(E, -1);
         CUDA_CHECK(cudaMemcpy(off.data(), g.moe_off, off.size() * sizeof(int), cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(tile.data(), g.moe_tile, tile.size() * sizeof(int), cudaMemcpyDeviceToHost));
         CUDA_CHECK(cudaMemcpy(tok.data(), g.moe_tok, tok.size() * sizeof(int), cudaMemcpyDeviceToHost));
         CUDA_CHECK(cudaMemcpy(row.data(), g.moe_row, row.size() * sizeof(int), cudaMemcpyDeviceToHost));
         for (int p = 0; p < T * K; p++) cnt[idx[p]]++;
-        int bad = off[0] != 0;
-        for (int e = 0; e < E; e++) bad += off[e + 1] - off[e] != cnt[e];
+        int bad = off[0] != 0 || tile[0] != 0;
+        for (int e = 0; e < E; e++) bad += off[e + 1] - off[e] != cnt[e] || tile[e + 1] - tile[e] != (cnt[e] + MG_BM - 1) / MG_BM;
         for (int p = 0; p < T * K; p++) {
             int e = idx[p], r = row[p];
             bad += r < off[e] || r >= off[e + 1] || tok[r] != p / K || r <= seen[e];
@@ -1618,16 +1621,23 @@ static void time_moe(const char *name, int E, int K, int m, int S, int hidden, i
     if (lat) { L.lat_in = upload_mat(&li, 1); L.lat_out = upload_mat(&lo, 1); }
     L.gate = dev_copy(rand_vec((size_t)E * hidden, 3.0f / sqrtf((float)hidden)));
     L.gate_bias = dev_copy(rand_vec(E, 0.05f));
-    GpuRank g = make_rank(8);
-    g.x = dev_copy(rand_vec((size_t)T * hidden));
-    g.dec_t = g.dec_now = T;
+    GpuRank g = make_rank((size_t)T * pad8(std::max({hidden, S, lat})));
+    g.act_w = pad8(std::max({hidden, S, lat}));
+    std::vector<float> x = rand_vec((size_t)T * hidden);
+    g.x = dev_copy(x);
+    g.x16 = dev_copy_as<bf16>(x);
+    g.proj = dev_copy(std::vector<float>((size_t)T * S));   /* a prompt's shared expert: its up rows */
+    g.dec_t = g.dec_now = T <= DECODE_T ? T : 1;   /* more tokens: a prompt */
     moe_alloc(&g, &ms, T);
     float *out = dev_copy(std::vector<float>((size_t)T * hidden));
     float us = time_us(g.stream, 50, [&] {
         moe_choose(&g, &L, &ms, rt, T);
         moe_experts(&g, &L, &ms, out, T, NULL);
     });
-    if (T > 1) {
+    if (T > DECODE_T)   /* the multiply-adds of the routed and shared experts (and fc1, fc2) */
+        printf("# moe prompt layer %s %s/%s, %d tokens: %.1f us, %.0f TFLOP/s\n", name, fmt_name(fe), fmt_name(fs), T, us,
+               2.0 * T * (2.0 * K * m * d + 2.0 * S * hidden + 2.0 * lat * hidden) / (us * 1e6));
+    else if (T > 1) {
         float *x0 = g.x;
         float one = time_us(g.stream, 20, [&] {
             for (int t = 0; t < T; t++) {
@@ -1646,7 +1656,7 @@ static void time_moe(const char *name, int E, int K, int m, int S, int hidden, i
         printf("# moe decode layer %s %s/%s (%d experts top %d, %d rows, shared %d, hidden %d, latent %d): %.1f us, %.0f GB/s of %.1f MB\n",
                name, fmt_name(fe), fmt_name(fs), E, K, m, S, hidden, lat, us, bytes / (us * 1e3), bytes / 1e6);
     for (GMat *p : {&L.eup, &L.edown, &L.sup, &L.sdown, &L.lat_in, &L.lat_out}) free_mat(p);
-    for (void *p : {(void *)L.gate, (void *)L.gate_bias, (void *)out, (void *)g.x}) CUDA_CHECK(cudaFree(p));
+    for (void *p : {(void *)L.gate, (void *)L.gate_bias, (void *)out, (void *)g.x, (void *)g.x16, (void *)g.proj}) CUDA_CHECK(cudaFree(p));
     moe_free(&g);
     free_rank(&g);
 }
@@ -1764,6 +1774,10 @@ int main(int argc, char **argv) {
         test_moe_products(fmt, fmt, 8, 6, 1302, 600, 520, 0, 1);   /* two warps a row in the down product */
         test_moe_products(fmt, fmt, 8, 6, 1302, 600, 520, 72, 1);
         test_moe_products(fmt, fmt, 8, 6, 1302, 600, 520, 72, 130);
+        test_moe_products(fmt, fmt, 12, 3, 20, 36, 40, 0, 2);      /* prompts of 2 and 3 tokens */
+        test_moe_products(fmt, fmt, 10, 4, 27, 19, 56, 24, 3);
+        test_moe_products(fmt, fmt, 16, 4, 200, 64, 136, 0, 300, 1);   /* one expert with most pairs: several row tiles */
+        test_moe_products(fmt, fmt, 128, 6, 129, 72, 264, 0, 201, 1);  /* many experts without pairs; n one past a tile */
     }
     /* NVFP4 experts (sizes whole 16-element blocks), alone and beside FP8 or bf16 shared experts */
     for (int fs : {DT_NVFP4, DT_FP8, DT_BF16}) {
@@ -1773,6 +1787,8 @@ int main(int argc, char **argv) {
         test_moe_products(DT_NVFP4, fs, 10, 4, 32, 16, 48, 80, 37);  /* latent wider than hidden */
         test_moe_products(DT_NVFP4, fs, 8, 6, 1296, 592, 528, 80, 1);   /* two warps a row in the down product */
         test_moe_products(DT_NVFP4, fs, 8, 6, 1296, 592, 528, 80, 130);
+        test_moe_products(DT_NVFP4, fs, 16, 4, 208, 64, 144, 0, 300, 1);
+        test_moe_products(DT_NVFP4, fs, 12, 3, 32, 48, 64, 0, 2);
     }
     for (int fmt : {DT_F32, DT_BF16, DT_FP8}) {
         test_moe_tokens(fmt, fmt, 12, 3, 20, 36, 40, 0, 4);
@@ -1821,6 +1837,8 @@ int main(int argc, char **argv) {
     time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0, DT_FP8, DT_FP8);
     time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0, DT_NVFP4, DT_NVFP4);
     time_moe("nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 4096, 1024, DT_NVFP4, DT_FP8);
+    for (int fmt : {DT_BF16, DT_FP8, DT_NVFP4}) time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0, fmt, fmt, 2048);
+    time_moe("nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 4096, 1024, DT_NVFP4, DT_FP8, 2048);
     time_chain();
     time_sample(131072, 1);
     time_sample(131072, 0);
