@@ -2458,12 +2458,15 @@ template <int FMT> __global__ void dequant_kernel(bf16 *out, int ldo, const GMat
  * ---------------------------------------------------------------------------------------------- */
 
 /* A block computes one tile: MG_BM rows of the inputs (pairs of one expert) by MG_BN rows of that
- * expert's matrix, walking K 64 bytes of the inputs' rows at a time (32 bf16 or 16 fp32 elements).
- * Eight warps, 2 x 4, each 64 x 32 outputs as 4 x 4 tiles of 16 x 8. bf16 tiles meet on the tensor
- * cores (mma.sync m16n8k16, fp32 accumulators); fp32 ones (fp32 W) in fp32 FMAs, each thread
- * computing the outputs its mma accumulators would hold. MG_LDS: bytes a shared row, 64 + 16 pad
- * (the 8 rows an ldmatrix reads fall in different banks). */
-enum { MG_BN = 128, MG_THREADS = 256, MG_LDS = 80 };
+ * expert's matrix, walking K 64 bytes of the inputs' rows a step (32 bf16 or 16 fp32 elements).
+ * cp.async copies the stored bytes of step s + MG_STAGES - 1 while step s computes, the pieces past K
+ * or past the last row zero-filled. FP8 and NVFP4 rows are stored bytes in their stage (32 or 16 a
+ * row a step) and are dequantized into one bf16 tile before the step's products. Eight warps, 2 x 4,
+ * each 64 x 32 outputs as 4 x 4 tiles of 16 x 8: bf16 tiles meet on the tensor cores (mma.sync
+ * m16n8k16, fp32 accumulators); fp32 ones (fp32 W) in fp32 FMAs, each thread computing the outputs
+ * its mma accumulators would hold. MG_LDS: bytes a shared row, 64 + 16 pad (the 8 rows an ldmatrix
+ * reads fall in different banks). */
+enum { MG_BN = 128, MG_THREADS = 256, MG_LDS = 80, MG_STAGES = 4 };
 
 /* The grouped product: out[r][j] = epi(sum_k a[r][k] W[e n + j][k]) for the rows r of every expert
  * e (off[e] .. off[e + 1] - 1) and j < n; epi: relu(.)^2 in a's dtype (relu2), else fp32. */
@@ -2477,25 +2480,20 @@ typedef struct {
     int E;
 } MoeGemm;
 
-/* A 16-byte piece of a bf16 or fp32 row with its elements from `valid` on zeroed. */
-template <typename A> __device__ __forceinline__ uint4 piece_head(uint4 v, int valid) {
-    constexpr int per = 16 / sizeof(A);
-    if (valid >= per) return v;
-    A *e = (A *)&v;
-#pragma unroll
-    for (int i = 0; i < per; i++)
-        if (i >= valid) e[i] = A(0.0f);
-    return v;
-}
+/* Shared memory of moe_gemm_kernel<F>: the stages (inputs, then W's rows), and for quantized W the
+ * bf16 tile it is dequantized into. */
+static constexpr size_t mg_smem(int F) { return (size_t)(MG_STAGES * 2 + (F == DT_FP8 || F == DT_NVFP4)) * MG_BM * MG_LDS; }
 
-/* Shared-memory tiles of a step, in buffer `buf`: rows 0 .. MG_BM - 1 the inputs, then MG_BN rows of W. */
-typedef char MgTiles[2][MG_BM + MG_BN][MG_LDS];
+/* Copies `bytes` (0..16) of src into the 16 bytes at dst, the rest zeros. */
+__device__ __forceinline__ void cp_async16z(void *dst, const void *src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
 
 template <int F> __global__ void __launch_bounds__(MG_THREADS, 2) moe_gemm_kernel(const __grid_constant__ MoeGemm p) {
     typedef std::conditional_t<F == DT_F32, float, bf16> A;
-    constexpr int AE = 16 / sizeof(A), KS = 4 * AE;   /* elements in a 16-byte piece; of K a step */
-    constexpr int WP = F == DT_F32 || F == DT_BF16 ? 2 : 1;   /* 16-byte pieces of W a thread loads a step */
-    __shared__ __align__(16) MgTiles sm;
+    constexpr int AE = 16 / sizeof(A), KS = 4 * AE, Q = F == DT_FP8 || F == DT_NVFP4;   /* elements a piece; a step */
+    constexpr int STAGE = (MG_BM + MG_BN) * MG_LDS;
+    extern __shared__ __align__(16) char mg_sm[];
     int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3, wm = warp >> 2, wn = warp & 3;
     pdl_wait();
     int bt = blockIdx.y;
@@ -2507,65 +2505,67 @@ template <int F> __global__ void __launch_bounds__(MG_THREADS, 2) moe_gemm_kerne
     }
     int r0 = p.off[e] + (bt - p.tile[e]) * MG_BM, rend = p.off[e + 1], j0 = blockIdx.x * MG_BN, K = p.W.cols;
     const GMat &W = p.W;
+    const char *w0 = (const char *)W.w + ((size_t)e * p.n + j0) * row_bytes(F, W.ld);   /* the tile's first row */
     size_t wb = row_bytes(F, W.ld);
-    uint4 ra[2], rw[WP];
-    float rs = 0.0f;
-    uint8_t bsv[2] = {0, 0};
-    /* a step's loads into registers: two pieces of a for each thread (rows q / 4, piece q % 4); of W two
-       pieces (bf16, fp32), one (FP8: rows tid / 2), or one for threads < 128 (NVFP4: a row each) */
-    auto load = [&](int k0) {
+    /* quantized: this thread dequantizes 16 stored bytes of row qr a step (FP8: two threads a row;
+       NVFP4: threads < MG_BN, one a row), with the row's scale and (NVFP4) the step's two block scales */
+    int qr = F == DT_FP8 ? tid >> 1 : tid, qh = F == DT_FP8 ? tid & 1 : 0;
+    bool qin = Q && qr < MG_BN && j0 + qr < p.n;
+    float rs = qin ? W.rs[(size_t)e * p.n + j0 + qr] : 0.0f;
+    const uint8_t *bsrow = F == DT_NVFP4 && qin ? W.bs + ((size_t)e * p.n + j0 + qr) * (W.ld / 16) : NULL;
+    /* step s's stored bytes into stage s % MG_STAGES: two pieces of the inputs a thread (rows q / 4,
+       piece q % 4); of W two (bf16, fp32), one (FP8), or one for threads < MG_BN (NVFP4) */
+    auto copy = [&](int s) {
+        char *st = mg_sm + (size_t)(s % MG_STAGES) * STAGE;
+        int k0 = s * KS;
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             int q = tid + i * MG_THREADS, r = r0 + (q >> 2), k = k0 + (q & 3) * AE;
-            ra[i] = r < rend && k < K ? *(const uint4 *)((const A *)p.a + (size_t)r * p.lda + k) : make_uint4(0, 0, 0, 0);
+            bool in = r < rend && k < K;
+            cp_async16z(st + (q >> 2) * MG_LDS + (q & 3) * 16, in ? (const A *)p.a + (size_t)r * p.lda + k : p.a,
+                        in ? min(AE, K - k) * (int)sizeof(A) : 0);
         }
-        if constexpr (F == DT_F32 || F == DT_BF16) {
+        char *sw = st + MG_BM * MG_LDS;
+        if constexpr (!Q) {
 #pragma unroll
             for (int i = 0; i < 2; i++) {
-                int q = tid + i * MG_THREADS, j = j0 + (q >> 2), k = k0 + (q & 3) * AE;
-                rw[i] = j < p.n && k < K ? *(const uint4 *)((const char *)W.w + ((size_t)e * p.n + j) * wb + k * sizeof(A))
-                                         : make_uint4(0, 0, 0, 0);
+                int q = tid + i * MG_THREADS, j = q >> 2, k = k0 + (q & 3) * AE;
+                bool in = j0 + j < p.n && k < K;
+                cp_async16z(sw + j * MG_LDS + (q & 3) * 16, in ? w0 + j * wb + k * sizeof(A) : W.w, in ? min(AE, K - k) * (int)sizeof(A) : 0);
             }
-        } else {
+        } else if (qr < MG_BN) {
             constexpr int per = fmt_per(F);
-            int j = j0 + (F == DT_FP8 ? tid >> 1 : tid), k = k0 + (F == DT_FP8 ? (tid & 1) * per : 0);
-            rw[0] = make_uint4(0, 0, 0, 0);
-            if ((F == DT_FP8 || tid < MG_BN) && j < p.n && k < K) {
-                size_t row = (size_t)e * p.n + j;
-                rw[0] = *(const uint4 *)((const char *)W.w + row * wb + k / per * 16);
-                rs = W.rs[row];
-                if (F == DT_NVFP4) { bsv[0] = W.bs[row * (W.ld / 16) + k / 16]; bsv[1] = W.bs[row * (W.ld / 16) + k / 16 + 1]; }
-            }
-        }
-    };
-    /* ... then into shared memory, the elements from K on zeroed, W dequantized to bf16 */
-    auto store = [&](int k0, int buf) {
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            int q = tid + i * MG_THREADS, k = k0 + (q & 3) * AE;
-            *(uint4 *)&sm[buf][q >> 2][(q & 3) * 16] = piece_head<A>(ra[i], K - k);
-        }
-        if constexpr (F == DT_F32 || F == DT_BF16) {
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                int q = tid + i * MG_THREADS, k = k0 + (q & 3) * AE;
-                *(uint4 *)&sm[buf][MG_BM + (q >> 2)][(q & 3) * 16] = piece_head<A>(rw[i], K - k);
-            }
-        } else if (F == DT_FP8 || tid < MG_BN) {
-            constexpr int per = fmt_per(F);
-            int row = F == DT_FP8 ? tid >> 1 : tid, k = k0 + (F == DT_FP8 ? (tid & 1) * per : 0);
-            dequant_piece<F>(rw[0], bsv, rs, K - k, (uint4 *)&sm[buf][MG_BM + row][F == DT_FP8 ? (tid & 1) * 32 : 0]);
+            int k = k0 + qh * per;
+            bool in = qin && k < K;
+            cp_async16z(sw + qr * MG_LDS + qh * 16, in ? w0 + qr * wb + k / per * 16 : W.w, in ? 16 : 0);
         }
     };
     float acc[4][4][4] = {};
     int steps = cdiv(K, KS);
-    load(0);
-    store(0, 0);
-    __syncthreads();
+    for (int s = 0; s < MG_STAGES - 1; s++) {
+        if (s < steps) copy(s);
+        cp_async_commit();
+    }
+    uint8_t bsv[2] = {0, 0};
     for (int s = 0; s < steps; s++) {
-        if (s + 1 < steps) load((s + 1) * KS);   /* in flight while this step computes */
+        if (F == DT_NVFP4 && bsrow && s * KS < K) { bsv[0] = bsrow[s * KS / 16]; bsv[1] = bsrow[s * KS / 16 + 1]; }
+        cp_async_wait<MG_STAGES - 2>();
+        __syncthreads();   /* step s has landed for every thread; every warp is done with step s - 1 */
+        if (s + MG_STAGES - 1 < steps) copy(s + MG_STAGES - 1);
+        cp_async_commit();
+        const char *st = mg_sm + (size_t)(s % MG_STAGES) * STAGE, *sw = st + MG_BM * MG_LDS;
+        if constexpr (Q) {   /* W's stored bytes of this step into the bf16 tile after the stages */
+            char *wq = mg_sm + (size_t)MG_STAGES * STAGE;
+            if (qr < MG_BN) {
+                int k = s * KS + qh * fmt_per(F);
+                dequant_piece<F>(*(const uint4 *)(sw + qr * MG_LDS + qh * 16), bsv, rs, qin ? K - k : 0,
+                                 (uint4 *)(wq + qr * MG_LDS + qh * 32));
+            }
+            __syncthreads();
+            sw = wq;
+        }
         if constexpr (F == DT_F32) {
-            const float *sa = (const float *)sm[s & 1][wm * 64], *sb = (const float *)sm[s & 1][MG_BM + wn * 32];
+            const float *sa = (const float *)(st + wm * 64 * MG_LDS), *sb = (const float *)(sw + wn * 32 * MG_LDS);
             constexpr int L = MG_LDS / 4;
 #pragma unroll 4
             for (int k = 0; k < KS; k++) {
@@ -2582,7 +2582,7 @@ template <int F> __global__ void __launch_bounds__(MG_THREADS, 2) moe_gemm_kerne
                         for (int h = 0; h < 4; h++) acc[i][n][h] = fmaf(a[i][h >> 1], b[n][h & 1], acc[i][n][h]);
             }
         } else {
-            const bf16 *sa = (const bf16 *)sm[s & 1][wm * 64], *sb = (const bf16 *)sm[s & 1][MG_BM + wn * 32];
+            const bf16 *sa = (const bf16 *)(st + wm * 64 * MG_LDS), *sb = (const bf16 *)(sw + wn * 32 * MG_LDS);
             constexpr int L = MG_LDS / 2;
 #pragma unroll
             for (int k0 = 0; k0 < KS; k0 += 16) {
@@ -2597,8 +2597,6 @@ template <int F> __global__ void __launch_bounds__(MG_THREADS, 2) moe_gemm_kerne
                     for (int n = 0; n < 4; n++) mma_bf16(acc[i][n], af[i], bf[n >> 1][(n & 1) * 2], bf[n >> 1][(n & 1) * 2 + 1]);
             }
         }
-        if (s + 1 < steps) store((s + 1) * KS, (s + 1) & 1);
-        __syncthreads();
     }
     /* accumulator h of tile (i, n): row g + 8 (h / 2), column 2 c + h % 2 of the tile */
 #pragma unroll
@@ -3151,8 +3149,10 @@ static void moe_gemm(GpuRank *g, const GMat &W, const void *a, int lda, void *ou
     MoeGemm mg = {W, a, out, lda, ldo, n, relu2, g->moe_off, g->moe_tile, E};
     auto kernel = W.fmt == DT_F32 ? moe_gemm_kernel<DT_F32> : W.fmt == DT_BF16 ? moe_gemm_kernel<DT_BF16>
                 : W.fmt == DT_FP8 ? moe_gemm_kernel<DT_FP8> : moe_gemm_kernel<DT_NVFP4>;
+    size_t smem = mg_smem(W.fmt);
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     /* the row tiles of all experts together: at most one partial tile for each expert with pairs */
-    LAUNCH(dim3(cdiv(n, MG_BN), cdiv(TK, MG_BM) + std::min(E, TK)), MG_THREADS, 0, g->stream, kernel, mg);
+    LAUNCH(dim3(cdiv(n, MG_BN), cdiv(TK, MG_BM) + std::min(E, TK)), MG_THREADS, smem, g->stream, kernel, mg);
 }
 
 /* Launches moe_down_kernel for `rows` output rows (warps a row as gemv_wpr picks for the bytes of the

@@ -992,8 +992,9 @@ static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hi
              skew ? ", skewed" : "");
     /* bf16 prompt: the reference rounds where the GPU does, but a value that fp32 and float64 sums put on
        either side of a bf16 rounding boundary moves by an ulp (2^-8): with a latent sum rounded before
-       fc2 that reached 1.2e-3 of the largest output on one seed */
-    expect(what, host_copy(out, ref.size()), ref, rb ? (lat ? 3e-3 : 1e-3) : 2e-5);
+       fc2 that reached 1.2e-3 of the largest output on one seed; without, 1.02e-3 on a skewed NVFP4
+       prompt of 300 tokens (seed 2475793712), where most of the 250k rounded h values meet one expert */
+    expect(what, host_copy(out, ref.size()), ref, rb ? (lat ? 3e-3 : 2e-3) : 2e-5);
     if (T > 1) {   /* the grouping: each expert's rows contiguous, in (token, slot) order within it; its row tiles */
         std::vector<int> off(E + 1), tile(E + 1), tok((size_t)T * K), row((size_t)T * K), cnt(E, 0), seen(E, -1);
         CUDA_CHECK(cudaMemcpy(off.data(), g.moe_off, off.size() * sizeof(int), cudaMemcpyDeviceToHost));
