@@ -3511,6 +3511,9 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
     b += T * H * (f * 5 + 2) + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
     b += (size_t)gpu_shared((Rank *)r)->logit_rows * (c->vocab + s->vocab) * f + (64u << 20);  /* + cuBLAS workspace */
     b += (size_t)g->sample_rows * c->vocab * f;
+    /* decoded steps' scratch: attention's split partials (part), the scan's group sums (gss) */
+    b += (size_t)g->dec_t * ((s->q ? s->q : 1) * (size_t)g->splits * (c->head_dim + 2) +
+                             (s->m_heads ? s->m_heads * scan_blocks(c->m_hdim, c->d_state) : 1)) * f;
     if (c->n_mtp) b += 3 * H * f + mat_bytes(&w->eh_proj, (int)H, quant) + T * 2 * H * f;   /* norms, eh_proj, eh */
     return b + (*quant ? DEQ_BYTES : 0);
 }

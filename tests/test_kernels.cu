@@ -615,6 +615,35 @@ static void test_ssd(int heads, int hdim, int groups, int N, std::vector<int> st
     for (float *p : {d_A, d_D, d_dtb, d_ssd, d_ssm}) CUDA_CHECK(cudaFree(p));
 }
 
+/* float64 causal attention: query head h of token t (row t of qkv, w floats, the query heads first)
+ * at position pos + t against keys 0 .. pos + t of the cache rows kc, vc (kw floats: kv heads of hd;
+ * head h reads kv head h / group), every operand through op (the bf16 rounding a kernel applies):
+ * ref[t][h][i] = sum_j softmax_j(q . k_j scale) v_j[i]. */
+template <typename Op>
+static std::vector<double> ref_attention(const std::vector<float> &qkv, int w, const std::vector<float> &kc, const std::vector<float> &vc,
+                                         int kw, int q, int group, int hd, int pos, int T, float scale, Op op) {
+    std::vector<double> ref((size_t)T * q * hd);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < q; h++) {
+            int g = h / group, n = pos + t + 1;
+            std::vector<double> s(n);
+            double m = -1e300, sum = 0;
+            for (int j = 0; j < n; j++) {
+                double d = 0;
+                for (int i = 0; i < hd; i++) d += (double)op(qkv[(size_t)t * w + h * hd + i]) * op(kc[(size_t)j * kw + g * hd + i]);
+                s[j] = d * scale;
+                m = fmax(m, s[j]);
+            }
+            for (int j = 0; j < n; j++) sum += s[j] = exp(s[j] - m);
+            for (int i = 0; i < hd; i++) {
+                double a = 0;
+                for (int j = 0; j < n; j++) a += s[j] * op(vc[(size_t)j * kw + g * hd + i]);
+                ref[((size_t)t * q + h) * hd + i] = a / sum;
+            }
+        }
+    return ref;
+}
+
 /* ---- attention: append to the cache (fp32 or bf16: KT), decode split along the sequence ---- */
 template <typename KT> static void test_attention(int q, int kv, int hd, int pos, int ctx) {
     int group = q / kv, kw = kv * hd, w = q * hd + 2 * kw, splits = attn_splits(ctx), bf = sizeof(KT) == 2;
@@ -635,25 +664,7 @@ template <typename KT> static void test_attention(int q, int kv, int hd, int pos
     attn_decode(0, a, q, 1);
     LAUNCH(q, 128, 0, 0, attn_combine_kernel, d_y, d_part, d_pos, hd, splits);
     for (int i = 0; i < kw; i++) { kc[(size_t)pos * kw + i] = op(qkv[q * hd + i]); vc[(size_t)pos * kw + i] = op(qkv[q * hd + kw + i]); }
-    for (int i = 0; i < q * hd; i++) qkv[i] = op(qkv[i]);   /* the bf16 kernel's queries are bf16 too */
-    std::vector<double> ref((size_t)q * hd);
-    for (int h = 0; h < q; h++) {
-        int g = h / group;
-        std::vector<double> s(pos + 1);
-        double m = -1e300, sum = 0;
-        for (int j = 0; j <= pos; j++) {
-            double d = 0;
-            for (int i = 0; i < hd; i++) d += (double)qkv[h * hd + i] * kc[(size_t)j * kw + g * hd + i];
-            s[j] = d * scale;
-            m = fmax(m, s[j]);
-        }
-        for (int j = 0; j <= pos; j++) sum += s[j] = exp(s[j] - m);
-        for (int i = 0; i < hd; i++) {
-            double a = 0;
-            for (int j = 0; j <= pos; j++) a += s[j] * vc[(size_t)j * kw + g * hd + i];
-            ref[(size_t)h * hd + i] = a / sum;
-        }
-    }
+    std::vector<double> ref = ref_attention(qkv, w, kc, vc, kw, q, group, hd, pos, 1, scale, op);   /* bf16: the queries too */
     char what[128];
     snprintf(what, sizeof what, "attention decode %s cache q %d / kv %d, head %d, position %d (%d splits of %d keys)",
              bf ? "bf16" : "fp32", q, kv, hd, pos, splits, (pos + splits) / splits);
@@ -702,25 +713,7 @@ template <typename KT> static void test_attention_tokens(int q, int kv, int hd, 
             kc[(size_t)(pos + t) * kw + i] = op(qkv[(size_t)t * w + q * hd + i]);
             vc[(size_t)(pos + t) * kw + i] = op(qkv[(size_t)t * w + q * hd + kw + i]);
         }
-    std::vector<double> ref((size_t)T * q * hd);
-    for (int t = 0; t < T; t++)
-        for (int h = 0; h < q; h++) {
-            int g = h / group, n = pos + t + 1;
-            std::vector<double> sc(n);
-            double mx = -1e300, sum = 0;
-            for (int j = 0; j < n; j++) {
-                double d = 0;
-                for (int i = 0; i < hd; i++) d += (double)op(qkv[(size_t)t * w + h * hd + i]) * op(kc[(size_t)j * kw + g * hd + i]);
-                sc[j] = d * scale;
-                mx = fmax(mx, sc[j]);
-            }
-            for (int j = 0; j < n; j++) sum += sc[j] = exp(sc[j] - mx);
-            for (int i = 0; i < hd; i++) {
-                double acc = 0;
-                for (int j = 0; j < n; j++) acc += sc[j] * op(vc[(size_t)j * kw + g * hd + i]);
-                ref[((size_t)t * q + h) * hd + i] = acc / sum;
-            }
-        }
+    std::vector<double> ref = ref_attention(qkv, w, kc, vc, kw, q, group, hd, pos, T, scale, op);
     std::vector<float> got = host_copy(many, ref.size());
     char what[160];
     snprintf(what, sizeof what, "attention decode %s cache q %d / kv %d, head %d, %d queries from %d = one by one", bf ? "bf16" : "fp32",
@@ -759,25 +752,7 @@ template <typename KT> static void test_prompt_attention(int q, int kv, int hd, 
             vc[(size_t)(pos + t) * kw + i] = qkv[(size_t)t * w + q * hd + kw + i];
         }
     auto op = [&](float v) { return bf ? bf16_round(v) : v; };
-    std::vector<double> ref((size_t)T * q * hd);
-    for (int t = 0; t < T; t++)
-        for (int h = 0; h < q; h++) {
-            int n = pos + t + 1, kh = h / gl;
-            std::vector<double> s(n);
-            double m = -1e300, sum = 0;
-            for (int j = 0; j < n; j++) {
-                double d = 0;
-                for (int i = 0; i < hd; i++) d += (double)op(qkv[(size_t)t * w + h * hd + i]) * op(kc[(size_t)j * kw + kh * hd + i]);
-                s[j] = d * scale;
-                m = fmax(m, s[j]);
-            }
-            for (int j = 0; j < n; j++) sum += s[j] = exp(s[j] - m);
-            for (int i = 0; i < hd; i++) {
-                double a = 0;
-                for (int j = 0; j < n; j++) a += s[j] * op(vc[(size_t)j * kw + kh * hd + i]);
-                ref[((size_t)t * q + h) * hd + i] = a / sum;
-            }
-        }
+    std::vector<double> ref = ref_attention(qkv, w, kc, vc, kw, q, gl, hd, pos, T, scale, op);
     char what[128];
     snprintf(what, sizeof what, "prompt attention %s q %d / kv %d, head %d, %d tokens from %d", bf ? "bf16 flash" : "fp32", q, kv,
              hd, T, pos);
