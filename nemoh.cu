@@ -2351,9 +2351,10 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
 enum { MG_BM = 128 };
 
 /* A prompt's TK = T K (token, slot) pairs p = t K + k, grouped by expert and in p order within one:
- * off[e] = the first row of expert e's pairs (off[E] = TK), tile[e] = its first row tile (tile[E]: all
- * of them), tok[row] = the pair's token, row_of[p] = its row. One block: counts by shared-memory atomics, a scan, then warp 0 places 32 pairs at a time,
- * in order (lanes with the same expert find their order among themselves with __match_any_sync). */
+ * off[e] = the first row of expert e's pairs (off[E] = TK), tile[e] = its first row tile (tile[E]:
+ * all of them), tok[row] = the pair's token, row_of[p] = its row. One block: counts by shared-memory
+ * atomics, a scan, then warp 0 places 32 pairs at a time, in order (lanes with the same expert find
+ * their order among themselves with __match_any_sync). */
 __global__ void __launch_bounds__(1024) moe_sort_kernel(int *off, int *tile, int *tok, int *row_of, const int *idx, int TK, int K,
                                                         int E) {
     __shared__ int at[MOE_MAX_EXPERTS];   /* counts, then each expert's next free row */
