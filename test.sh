@@ -31,6 +31,9 @@ finish() { echo "$PASS passed, $FAIL failed"; [ "$FAIL" -eq 0 ]; exit; }
 # ---- build ----
 make clean >/dev/null
 if out=$(make 2>&1); then pass "make"; else fail "make" "$out"; finish; fi
+# where a GPU is visible, the kernel tests build while the CPU tests run
+KBUILD=
+nvidia-smi -L >/dev/null 2>&1 && { make -s tests/test_kernels >"$T/test_kernels.build" 2>&1 & KBUILD=$!; }
 ASAN="$T/nemoh-asan"
 full && check "build CPU engine with -fsanitize=address,undefined" \
     cc -std=c11 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all -Wall -Wextra nemoh.c -o "$ASAN" -lm -lpthread
@@ -507,7 +510,9 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
 elif ! ./nemoh -m tests/fixtures/tiny-f32 --ids 1 -n 1 2>&1 >/dev/null | grep -q "backend cuda"; then
     fail "GPU: nemoh picks the CUDA backend" "$(./nemoh -m tests/fixtures/tiny-f32 --ids 1 -n 1 2>&1)"
 else
-    if out=$(make -s tests/test_kernels 2>&1 && tests/test_kernels 2>&1); then pass "GPU kernels against float64 host references ($(tail -1 <<< "$out"))"
+    echo "# GPU tests from ${SECONDS} s"
+    if ! wait "$KBUILD"; then fail "GPU kernels: build tests/test_kernels" "$(tail -20 "$T/test_kernels.build")"
+    elif out=$(tests/test_kernels 2>&1); then pass "GPU kernels against float64 host references ($(tail -1 <<< "$out"))"
     else fail "GPU kernels against float64 host references" "$(grep -v '^ok' <<< "$out" | tail -20)"; fi
     for d in tests/fixtures/tiny-*; do
         f=$(basename "$d")
@@ -585,6 +590,7 @@ else
     for d in "$T"/bad/*; do   # NaN / Inf weights: the sampler kernel flags the logits
         [ -e "$d/at-run" ] && refuse_run "GPU bad input: $(basename "$d")" "non-finite logits" /dev/null ./nemoh -m "$d" --ids "1 2" -n 1
     done
+    echo "# GPU tests until ${SECONDS} s"
 fi
 
 finish
