@@ -2506,8 +2506,8 @@ template <int F> __global__ void __launch_bounds__(MG_THREADS, 2) moe_gemm_kerne
     }
     int r0 = p.off[e] + (bt - p.tile[e]) * MG_BM, rend = p.off[e + 1], j0 = blockIdx.x * MG_BN, K = p.W.cols;
     const GMat &W = p.W;
-    const char *w0 = (const char *)W.w + ((size_t)e * p.n + j0) * row_bytes(F, W.ld);   /* the tile's first row */
     size_t wb = row_bytes(F, W.ld);
+    const char *w0 = (const char *)W.w + ((size_t)e * p.n + j0) * wb;   /* the tile's first row */
     /* quantized: this thread dequantizes 16 stored bytes of row qr a step (FP8: two threads a row;
        NVFP4: threads < MG_BN, one a row), with the row's scale and (NVFP4) the step's two block scales */
     int qr = F == DT_FP8 ? tid >> 1 : tid, qh = F == DT_FP8 ? tid & 1 : 0;
