@@ -193,12 +193,10 @@ typedef struct {
     int *moe_off;               /* [n_experts + 1] prompt: first row of each expert's (token, slot) pairs */
     int *moe_tile;              /* [n_experts + 1] prompt: first row tile (MG_BM rows) of each expert's pairs */
     int *moe_tok, *moe_row;     /* [t_max * top_k] a row's token; a pair's row */
-    void *moe_act;              /* [t_max * top_k, moe_lda] experts' input rows, bf16 or fp32 */
-    float *moe_h;               /* [t_max * top_k, pad8(moe)] relu(up)^2 in moe_act's dtype (decoded: fp32
+    float *moe_h;               /* [t_max * top_k, pad8(moe)] relu(up)^2 in the up input's dtype (decoded: fp32
                                    [T, top_k * pad8(moe) + shared]) */
     float *moe_y;               /* [t_max * top_k, d] routed outputs, a row a pair */
     float *moe_z, *moe_ylat;    /* [t_max, latent] fc1 output; weighted routed sum before fc2 */
-    int moe_lda;                /* row stride of moe_act: d rounded up to 8 */
     int rows;                   /* logits rows the last step wrote */
     int proj_w, y_w, act_w;     /* columns of proj, y (proj_width, y_width) and act16 (the widest input) */
     int splits;                 /* decode attention splits a head (attn_splits) */
@@ -2352,22 +2350,32 @@ enum { MG_BM = 128 };
 
 /* A prompt's TK = T K (token, slot) pairs p = t K + k, grouped by expert and in p order within one:
  * off[e] = the first row of expert e's pairs (off[E] = TK), tile[e] = its first row tile (tile[E]:
- * all of them), tok[row] = the pair's token, row_of[p] = its row. One block: counts by shared-memory
- * atomics, a scan, then warp 0 places 32 pairs at a time, in order (lanes with the same expert find
- * their order among themselves with __match_any_sync). */
+ * all of them), tok[row] = the pair's token, row_of[p] = its row. One block; warp w owns the w-th
+ * contiguous range of pairs: it counts them by expert (shared-memory atomics), a scan over (expert,
+ * warp) gives each warp its first row in each expert, then each warp places its pairs 32 at a time, in
+ * order (lanes with the same expert find their order among themselves with __match_any_sync). */
 __global__ void __launch_bounds__(1024) moe_sort_kernel(int *off, int *tile, int *tok, int *row_of, const int *idx, int TK, int K,
                                                         int E) {
-    __shared__ int at[MOE_MAX_EXPERTS];   /* counts, then each expert's next free row */
+    extern __shared__ int at[];           /* [warps][E] counts, then each warp's next free row in each expert */
+    __shared__ int first[MOE_MAX_EXPERTS];   /* each expert's first row */
+    int nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, *mine = at + warp * E;
+    int p0 = (int)((int64_t)TK * warp / nw), p1 = (int)((int64_t)TK * (warp + 1) / nw);
     pdl_wait();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) at[e] = 0;
+    for (int i = threadIdx.x; i < nw * E; i += blockDim.x) at[i] = 0;
     __syncthreads();
-    for (int p = threadIdx.x; p < TK; p += blockDim.x) atomicAdd(&at[idx[p]], 1);
+    for (int p = p0 + lane; p < p1; p += 32) atomicAdd(&mine[idx[p]], 1);
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int n = 0;
+        for (int w = 0; w < nw; w++) n += at[w * E + e];
+        first[e] = n;
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
         int run = 0, tiles = 0;
         for (int e = 0; e < E; e++) {
-            int n = at[e];
-            off[e] = at[e] = run;
+            int n = first[e];
+            off[e] = first[e] = run;
             tile[e] = tiles;
             run += n;
             tiles += cdiv(n, MG_BM);
@@ -2376,29 +2384,24 @@ __global__ void __launch_bounds__(1024) moe_sort_kernel(int *off, int *tile, int
         tile[E] = tiles;
     }
     __syncthreads();
-    if (threadIdx.x >= 32) return;
-    int lane = threadIdx.x;
-    for (int p0 = 0; p0 < TK; p0 += 32) {
-        int p = p0 + lane, e = p < TK ? idx[p] : -1;
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+        for (int w = 0, run = first[e]; w < nw; w++) {
+            int n = at[w * E + e];
+            at[w * E + e] = run;
+            run += n;
+        }
+    __syncthreads();
+    for (int q = p0; q < p1; q += 32) {
+        int p = q + lane, e = p < p1 ? idx[p] : -1;
         unsigned same = __match_any_sync(0xffffffffu, e);
-        int before = __popc(same & ((1u << lane) - 1)), row = e >= 0 ? at[e] + before : 0;
+        int before = __popc(same & ((1u << lane) - 1)), row = e >= 0 ? mine[e] + before : 0;
         __syncwarp();   /* every lane has read its expert's next row before the first of them moves it */
         if (e >= 0) {
             tok[row] = p / K;
             row_of[p] = row;
-            if (!before) at[e] += __popc(same);
+            if (!before) mine[e] += __popc(same);
         }
         __syncwarp();
-    }
-}
-
-/* Row r of the experts' input: act[r] = z[tok[r]], in the weights' dtype (bf16 or fp32). */
-__global__ void moe_gather_kernel(void *act, int bf, int lda, const float *z, int ldz, const int *tok, int cols) {
-    pdl_wait();
-    const float *src = z + (size_t)tok[blockIdx.x] * ldz;
-    size_t o = (size_t)blockIdx.x * lda;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        if (bf) ((bf16 *)act)[o + i] = __float2bfloat16(src[i]); else ((float *)act)[o + i] = src[i];
     }
 }
 
@@ -2459,166 +2462,218 @@ template <int FMT> __global__ void dequant_kernel(bf16 *out, int ldo, const GMat
  * ---------------------------------------------------------------------------------------------- */
 
 /* A block computes one tile: MG_BM rows of the inputs (pairs of one expert) by MG_BN rows of that
- * expert's matrix, walking K 64 bytes of the inputs' rows a step (32 bf16 or 16 fp32 elements).
- * cp.async copies the stored bytes of step s + MG_STAGES - 1 while step s computes, the pieces past K
- * or past the last row zero-filled. FP8 and NVFP4 rows are stored bytes in their stage (32 or 16 a
- * row a step) and are dequantized into one bf16 tile before the step's products. Eight warps, 2 x 4,
- * each 64 x 32 outputs as 4 x 4 tiles of 16 x 8: bf16 tiles meet on the tensor cores (mma.sync
- * m16n8k16, fp32 accumulators); fp32 ones (fp32 W) in fp32 FMAs, each thread computing the outputs
- * its mma accumulators would hold. MG_LDS: bytes a shared row, 64 + 16 pad (the 8 rows an ldmatrix
- * reads fall in different banks). */
-enum { MG_BN = 128, MG_THREADS = 256, MG_LDS = 80, MG_STAGES = 4 };
+ * expert's matrix, walking K MG_BK elements (128 bytes of bf16) a step. On Hopper, wgmma multiplies
+ * the tiles from shared memory: each of the two warpgroups 64 rows of the inputs by the 128 W rows
+ * (m64n128k16, fp32 accumulators in registers); other builds run mma.sync on the same tiles, each warp
+ * 16 rows by 128, with the accumulators laid out the same. cp.async copies step s + MG_STAGES - 1
+ * while step s computes, pieces past K or past the last row zero-filled; the inputs' rows are gathered
+ * by token (tok) as they are copied. Tiles lie as wgmma's 128-byte swizzle reads them (sw128), which
+ * also keeps ldmatrix's 8 rows in different banks. FP8 and NVFP4 rows are copied as stored (64 or 32
+ * bytes a row a step) and dequantized into one bf16 tile before the step's products. */
+enum { MG_BN = 128, MG_BK = 64, MG_THREADS = 256, MG_STAGES = 3 };
 
-/* The grouped product: out[r][j] = epi(sum_k a[r][k] W[e n + j][k]) for the rows r of every expert
- * e (off[e] .. off[e + 1] - 1) and j < n; epi: relu(.)^2 in a's dtype (relu2), else fp32. */
+/* The grouped product: out[r][j] = epi(sum_k a[src r][k] W[e n + j][k]) for the rows r of every
+ * expert e (off[e] .. off[e + 1] - 1) and j < n, src r = tok[r] (tok NULL: r); epi: relu(.)^2 in a's
+ * dtype (relu2), else fp32. */
 typedef struct {
     GMat W;                     /* [E * n, cols] every expert's matrix, expert e's rows from e * n */
-    const void *a;              /* [pairs, lda] inputs grouped by expert: bf16, or fp32 for fp32 W */
+    const void *a;              /* [., lda] inputs: bf16, or fp32 for fp32 W */
+    const int *tok;             /* [pairs] the input row of each row of the product, or NULL */
     void *out;                  /* [pairs, ldo] */
-    int lda, ldo;               /* row strides, elements (multiples of 8) */
+    int lda, ldo;               /* row strides, elements (bf16 a: lda a multiple of 8) */
     int n, relu2;               /* rows of one expert's matrix; the epilogue */
     const int *off, *tile;      /* [E + 1] each expert's first row of a, its first row tile (moe_sort_kernel) */
     int E;
 } MoeGemm;
 
-/* Shared memory of moe_gemm_kernel<F>: the stages (inputs, then W's rows), and for quantized W the
- * bf16 tile it is dequantized into. */
-static constexpr size_t mg_smem(int F) { return (size_t)(MG_STAGES * 2 + (F == DT_FP8 || F == DT_NVFP4)) * MG_BM * MG_LDS; }
+/* Stored bytes of a W row a step, and shared memory of moe_gemm_kernel<F>: the stages (inputs, then
+ * W's rows), for quantized W the bf16 tile it is dequantized into, and room to align to 1024 bytes. */
+static __host__ __device__ constexpr int mg_wstep(int F) { return F == DT_BF16 ? 128 : F == DT_FP8 ? 64 : 32; }
+static __host__ __device__ constexpr size_t mg_stage(int F) { return (size_t)MG_BM * 128 + (size_t)MG_BN * mg_wstep(F); }
+static constexpr size_t mg_smem(int F) { return MG_STAGES * mg_stage(F) + (F != DT_BF16) * (size_t)MG_BN * 128 + 1024; }
 
 /* Copies `bytes` (0..16) of src into the 16 bytes at dst, the rest zeros. */
 __device__ __forceinline__ void cp_async16z(void *dst, const void *src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
 }
 
-template <int F> __global__ void __launch_bounds__(MG_THREADS, 2) moe_gemm_kernel(const __grid_constant__ MoeGemm p) {
-    typedef std::conditional_t<F == DT_F32, float, bf16> A;
-    constexpr int AE = 16 / sizeof(A), KS = 4 * AE, Q = F == DT_FP8 || F == DT_NVFP4;   /* elements a piece; a step */
-    constexpr int STAGE = (MG_BM + MG_BN) * MG_LDS;
-    extern __shared__ __align__(16) char mg_sm[];
-    int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3, wm = warp >> 2, wn = warp & 3;
-    pdl_wait();
-    int bt = blockIdx.y;
-    if (bt >= p.tile[p.E]) return;
-    int e = 0;   /* the expert of row tile bt: the last e with tile[e] <= bt */
+/* Makes this thread's shared-memory writes (cp.async's too) visible to wgmma's reads (the async proxy). */
+__device__ __forceinline__ void fence_async_smem() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+/* Byte offset of 16-byte piece c of row r in a tile of 128-byte rows, 128-byte swizzled: the pieces
+ * of each row permuted by its index mod 8 (the tile 1024-byte aligned). */
+__device__ __forceinline__ int sw128(int r, int c) { return r * 128 + ((c ^ (r & 7)) << 4); }
+
+/* The expert of row tile bt: the last e with tile[e] <= bt. */
+__device__ __forceinline__ int tile_expert(const MoeGemm &p, int bt) {
+    int e = 0;
     for (int hi = p.E; hi - e > 1;) {
         int mid = (e + hi) / 2;
         if (p.tile[mid] <= bt) e = mid; else hi = mid;
     }
-    int r0 = p.off[e] + (bt - p.tile[e]) * MG_BM, rend = p.off[e + 1], j0 = blockIdx.x * MG_BN, K = p.W.cols;
+    return e;
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+/* wgmma's descriptor of a tile of 128-byte rows, 128-byte swizzled: start address, groups of 8 rows
+ * 1024 bytes apart, swizzle mode 1. A k16 slice further along the rows starts 32 bytes on. */
+__device__ __forceinline__ uint64_t wg_desc(const void *p) {
+    return (uint64_t)(smem_u32(p) >> 4 & 0x3FFF) | (uint64_t)1 << 16 | (uint64_t)(1024 >> 4) << 32 | (uint64_t)1 << 62;
+}
+
+/* d[64x128] += a[64x16] b[128x16]^T, both from shared memory (descriptors), a warpgroup's. */
+__device__ __forceinline__ void wgmma_m64n128(float (&d)[64], uint64_t a, uint64_t b) {
+    asm volatile("{.reg .pred p; setp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 : "l"(a), "l"(b), "r"(1));
+}
+
+/* Keeps the compiler from moving accumulator reads or writes across the asynchronous products. */
+__device__ __forceinline__ void wg_fence_acc(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+#endif
+
+template <int F> __global__ void __launch_bounds__(MG_THREADS, 2) moe_gemm_kernel(const __grid_constant__ MoeGemm p) {
+    constexpr int Q = F != DT_BF16, WS = mg_wstep(F), PQ = Q ? MG_BN * WS / 16 / MG_THREADS : 0;   /* stored pieces a thread */
+    constexpr size_t STAGE = mg_stage(F);
+    extern __shared__ char mg_raw[];
+    char *sm = (char *)(((uintptr_t)mg_raw + 1023) & ~(uintptr_t)1023);
+    int tid = threadIdx.x, wg = tid >> 7, warp = tid >> 5 & 3, lane = tid & 31, pc = tid & 7;
+    pdl_wait();
+    int bt = blockIdx.y;
+    if (bt >= p.tile[p.E]) return;
+    int e = tile_expert(p, bt), r0 = p.off[e] + (bt - p.tile[e]) * MG_BM, rend = p.off[e + 1], j0 = blockIdx.x * MG_BN, K = p.W.cols;
     const GMat &W = p.W;
     size_t wb = row_bytes(F, W.ld);
     const char *w0 = (const char *)W.w + ((size_t)e * p.n + j0) * wb;   /* the tile's first row */
-    /* quantized: this thread dequantizes 16 stored bytes of row qr a step (FP8: two threads a row;
-       NVFP4: threads < MG_BN, one a row), with the row's scale and (NVFP4) the step's two block scales */
-    int qr = F == DT_FP8 ? tid >> 1 : tid, qh = F == DT_FP8 ? tid & 1 : 0;
-    bool qin = Q && qr < MG_BN && j0 + qr < p.n;
-    float rs = qin ? W.rs[(size_t)e * p.n + j0 + qr] : 0.0f;
-    const uint8_t *bsrow = F == DT_NVFP4 && qin ? W.bs + ((size_t)e * p.n + j0 + qr) * (W.ld / 16) : NULL;
-    /* step s's stored bytes into stage s % MG_STAGES: two pieces of the inputs a thread (rows q / 4,
-       piece q % 4); of W two (bf16, fp32), one (FP8), or one for threads < MG_BN (NVFP4) */
+    /* this thread copies piece pc of rows tid / 8 + 32 i (i < 4) of the inputs and, bf16, of W; their
+       addresses once (NULL: past the last row) */
+    const bf16 *arow[4];
+    const char *wrow[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int r = r0 + (tid >> 3) + 32 * i, j = (tid >> 3) + 32 * i;
+        arow[i] = r < rend ? (const bf16 *)p.a + (size_t)(p.tok ? p.tok[r] : r) * p.lda : NULL;
+        wrow[i] = j0 + j < p.n ? w0 + j * wb : NULL;
+    }
+    /* quantized: this thread copies and dequantizes stored pieces qh PQ .. qh PQ + PQ - 1 of row qr
+       (FP8 16 elements a piece, NVFP4 32), with the row's scale and (NVFP4) the step's block scales */
+    int qr = tid >> 1, qh = tid & 1;
+    const char *qrow = Q && j0 + qr < p.n ? w0 + qr * wb : NULL;
+    float rs = qrow ? W.rs[(size_t)e * p.n + j0 + qr] : 0.0f;
+    const uint8_t *bsrow = F == DT_NVFP4 && qrow ? W.bs + ((size_t)e * p.n + j0 + qr) * (W.ld / 16) : NULL;
     auto copy = [&](int s) {
-        char *st = mg_sm + (size_t)(s % MG_STAGES) * STAGE;
-        int k0 = s * KS;
+        char *st = sm + (s % MG_STAGES) * STAGE, *sw = st + MG_BM * 128;
+        int k = s * MG_BK + pc * 8, nb = max(0, min(16, 2 * (K - k)));
 #pragma unroll
-        for (int i = 0; i < 2; i++) {
-            int q = tid + i * MG_THREADS, r = r0 + (q >> 2), k = k0 + (q & 3) * AE;
-            bool in = r < rend && k < K;
-            cp_async16z(st + (q >> 2) * MG_LDS + (q & 3) * 16, in ? (const A *)p.a + (size_t)r * p.lda + k : p.a,
-                        in ? min(AE, K - k) * (int)sizeof(A) : 0);
+        for (int i = 0; i < 4; i++) {
+            int r = (tid >> 3) + 32 * i;
+            cp_async16z(st + sw128(r, pc), arow[i] && nb ? arow[i] + k : p.a, arow[i] ? nb : 0);
+            if constexpr (!Q) cp_async16z(sw + sw128(r, pc), wrow[i] && nb ? wrow[i] + 2 * k : W.w, wrow[i] ? nb : 0);
         }
-        char *sw = st + MG_BM * MG_LDS;
-        if constexpr (!Q) {
+        if constexpr (Q) {
 #pragma unroll
-            for (int i = 0; i < 2; i++) {
-                int q = tid + i * MG_THREADS, j = q >> 2, k = k0 + (q & 3) * AE;
-                bool in = j0 + j < p.n && k < K;
-                cp_async16z(sw + j * MG_LDS + (q & 3) * 16, in ? w0 + j * wb + k * sizeof(A) : W.w, in ? min(AE, K - k) * (int)sizeof(A) : 0);
+            for (int q = 0; q < PQ; q++) {
+                int pi = qh * PQ + q, kq = s * MG_BK + pi * fmt_per(F);
+                bool in = qrow && kq < K;
+                cp_async16z(sw + qr * WS + pi * 16, in ? qrow + kq / fmt_per(F) * 16 : W.w, in ? 16 : 0);
             }
-        } else if (qr < MG_BN) {
-            constexpr int per = fmt_per(F);
-            int k = k0 + qh * per;
-            bool in = qin && k < K;
-            cp_async16z(sw + qr * MG_LDS + qh * 16, in ? w0 + qr * wb + k / per * 16 : W.w, in ? 16 : 0);
         }
     };
-    float acc[4][4][4] = {};
-    int steps = cdiv(K, KS);
+    float acc[64] = {};   /* element j * 4 + h: row 16 warp + lane / 4 + 8 (h / 2), column 8 j + 2 (lane % 4) + h % 2 */
+    int steps = cdiv(K, MG_BK);
     for (int s = 0; s < MG_STAGES - 1; s++) {
         if (s < steps) copy(s);
         cp_async_commit();
     }
-    uint8_t bsv[2] = {0, 0};
     for (int s = 0; s < steps; s++) {
-        if (F == DT_NVFP4 && bsrow && s * KS < K) { bsv[0] = bsrow[s * KS / 16]; bsv[1] = bsrow[s * KS / 16 + 1]; }
+        uint8_t bsv[2] = {0, 0};
+        if (F == DT_NVFP4 && bsrow && s * MG_BK + qh * 32 < K) { bsv[0] = bsrow[(s * MG_BK + qh * 32) / 16]; bsv[1] = bsrow[(s * MG_BK + qh * 32) / 16 + 1]; }
         cp_async_wait<MG_STAGES - 2>();
+        fence_async_smem();
         __syncthreads();   /* step s has landed for every thread; every warp is done with step s - 1 */
         if (s + MG_STAGES - 1 < steps) copy(s + MG_STAGES - 1);
         cp_async_commit();
-        const char *st = mg_sm + (size_t)(s % MG_STAGES) * STAGE, *sw = st + MG_BM * MG_LDS;
+        const char *st = sm + (s % MG_STAGES) * STAGE, *sw = st + MG_BM * 128;
         if constexpr (Q) {   /* W's stored bytes of this step into the bf16 tile after the stages */
-            char *wq = mg_sm + (size_t)MG_STAGES * STAGE;
-            if (qr < MG_BN) {
-                int k = s * KS + qh * fmt_per(F);
-                dequant_piece<F>(*(const uint4 *)(sw + qr * MG_LDS + qh * 16), bsv, rs, qin ? K - k : 0,
-                                 (uint4 *)(wq + qr * MG_LDS + qh * 32));
+            char *wq = sm + MG_STAGES * STAGE;
+#pragma unroll
+            for (int q = 0; q < PQ; q++) {
+                int pi = qh * PQ + q, k = s * MG_BK + pi * fmt_per(F);
+                uint4 o[fmt_per(F) / 8];
+                dequant_piece<F>(*(const uint4 *)(sw + qr * WS + pi * 16), bsv, rs, qrow ? K - k : 0, o);
+#pragma unroll
+                for (int c = 0; c < fmt_per(F) / 8; c++) *(uint4 *)(wq + sw128(qr, pi * fmt_per(F) / 8 + c)) = o[c];
             }
+            fence_async_smem();
             __syncthreads();
             sw = wq;
         }
-        if constexpr (F == DT_F32) {
-            const float *sa = (const float *)(st + wm * 64 * MG_LDS), *sb = (const float *)(sw + wn * 32 * MG_LDS);
-            constexpr int L = MG_LDS / 4;
-#pragma unroll 4
-            for (int k = 0; k < KS; k++) {
-                float a[4][2], b[4][2];
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+        uint64_t da = wg_desc(st + wg * 64 * 128), db = wg_desc(sw);
+        wg_fence_acc(acc);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-                for (int i = 0; i < 4; i++) { a[i][0] = sa[(i * 16 + g) * L + k]; a[i][1] = sa[(i * 16 + g + 8) * L + k]; }
+        for (int k = 0; k < MG_BK / 16; k++) wgmma_m64n128(acc, da + 2 * k, db + 2 * k);
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        wg_fence_acc(acc);
+#else
+        int ar = wg * 64 + warp * 16 + (lane & 15);
 #pragma unroll
-                for (int n = 0; n < 4; n++) { b[n][0] = sb[(n * 8 + 2 * c) * L + k]; b[n][1] = sb[(n * 8 + 2 * c + 1) * L + k]; }
+        for (int k = 0; k < MG_BK / 16; k++) {
+            uint32_t af[4];
+            ldsm_x4<false>(af, (const bf16 *)(st + sw128(ar, 2 * k + (lane >> 4))));
 #pragma unroll
-                for (int i = 0; i < 4; i++)
-#pragma unroll
-                    for (int n = 0; n < 4; n++)
-#pragma unroll
-                        for (int h = 0; h < 4; h++) acc[i][n][h] = fmaf(a[i][h >> 1], b[n][h & 1], acc[i][n][h]);
-            }
-        } else {
-            const bf16 *sa = (const bf16 *)(st + wm * 64 * MG_LDS), *sb = (const bf16 *)(sw + wn * 32 * MG_LDS);
-            constexpr int L = MG_LDS / 2;
-#pragma unroll
-            for (int k0 = 0; k0 < KS; k0 += 16) {
-                uint32_t af[4][4], bf[2][4];
-#pragma unroll
-                for (int i = 0; i < 4; i++) ldsm_x4<false>(af[i], &sa[(i * 16 + (lane & 15)) * L + k0 + (lane >> 4) * 8]);
-#pragma unroll
-                for (int n = 0; n < 2; n++) ldsm_x4<false>(bf[n], &sb[(n * 16 + (lane >> 4) * 8 + (lane & 7)) * L + k0 + (lane >> 3 & 1) * 8]);
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-#pragma unroll
-                    for (int n = 0; n < 4; n++) mma_bf16(acc[i][n], af[i], bf[n >> 1][(n & 1) * 2], bf[n >> 1][(n & 1) * 2 + 1]);
+            for (int n = 0; n < 8; n++) {
+                uint32_t bf[4];
+                ldsm_x4<false>(bf, (const bf16 *)(sw + sw128(n * 16 + (lane >> 4) * 8 + (lane & 7), 2 * k + (lane >> 3 & 1))));
+                mma_bf16(*(float(*)[4])&acc[8 * n], af, bf[0], bf[1]);
+                mma_bf16(*(float(*)[4])&acc[8 * n + 4], af, bf[2], bf[3]);
             }
         }
+#endif
     }
-    /* accumulator h of tile (i, n): row g + 8 (h / 2), column 2 c + h % 2 of the tile */
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int j = 0; j < 16; j++)
 #pragma unroll
-        for (int h = 0; h < 4; h++) {
-            int r = r0 + wm * 64 + i * 16 + g + (h >> 1) * 8;
-            if (r >= rend) continue;
-#pragma unroll
-            for (int n = 0; n < 4; n++) {
-                int j = j0 + wn * 32 + n * 8 + 2 * c + (h & 1);
-                if (j >= p.n) continue;
-                float v = acc[i][n][h];
-                if (p.relu2) {
-                    v = fmaxf(v, 0.0f);
-                    ((A *)p.out)[(size_t)r * p.ldo + j] = A(v * v);
-                } else {
-                    ((float *)p.out)[(size_t)r * p.ldo + j] = v;
-                }
+        for (int h2 = 0; h2 < 2; h2++) {
+            int r = r0 + wg * 64 + warp * 16 + (lane >> 2) + 8 * h2, c = j0 + 8 * j + 2 * (lane & 3);
+            if (r >= rend || c >= p.n) continue;
+            float v0 = acc[4 * j + 2 * h2], v1 = acc[4 * j + 2 * h2 + 1];
+            bool two = c + 1 < p.n;
+            if (p.relu2) {
+                bf16 *o = (bf16 *)p.out + (size_t)r * p.ldo + c;
+                v0 = fmaxf(v0, 0.0f), v1 = fmaxf(v1, 0.0f);
+                if (two) *(__nv_bfloat162 *)o = __floats2bfloat162_rn(v0 * v0, v1 * v1); else *o = __float2bfloat16(v0 * v0);
+            } else {
+                float *o = (float *)p.out + (size_t)r * p.ldo + c;
+                if (two) *(float2 *)o = make_float2(v0, v1); else *o = v0;
             }
         }
+}
+
+/* The same for fp32 W (fp32 checkpoints: the test fixtures), in fp32: a thread an output column j. */
+__global__ void __launch_bounds__(MG_BN) moe_gemm_f32_kernel(const __grid_constant__ MoeGemm p) {
+    pdl_wait();
+    int bt = blockIdx.y, j = blockIdx.x * MG_BN + threadIdx.x;
+    if (bt >= p.tile[p.E] || j >= p.n) return;
+    int e = tile_expert(p, bt), r0 = p.off[e] + (bt - p.tile[e]) * MG_BM, rend = min(r0 + MG_BM, p.off[e + 1]);
+    const float *w = (const float *)p.W.w + ((size_t)e * p.n + j) * p.W.ld;
+    for (int r = r0; r < rend; r++) {
+        const float *a = (const float *)p.a + (size_t)(p.tok ? p.tok[r] : r) * p.lda;
+        float v = 0;
+        for (int k = 0; k < p.W.cols; k++) v += a[k] * w[k];
+        if (p.relu2) v = fmaxf(v, 0.0f) * fmaxf(v, 0.0f);
+        ((float *)p.out)[(size_t)r * p.ldo + j] = v;
+    }
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -3146,14 +3201,19 @@ template <int NT> static void (*moe_down_for(int f))(float *, int, const int *, 
 }
 
 /* Launches the grouped product over every expert's pairs (MoeGemm): out = epi(a W_e^T), TK pairs. */
-static void moe_gemm(GpuRank *g, const GMat &W, const void *a, int lda, void *out, int ldo, int n, int relu2, int TK, int E) {
-    MoeGemm mg = {W, a, out, lda, ldo, n, relu2, g->moe_off, g->moe_tile, E};
-    auto kernel = W.fmt == DT_F32 ? moe_gemm_kernel<DT_F32> : W.fmt == DT_BF16 ? moe_gemm_kernel<DT_BF16>
-                : W.fmt == DT_FP8 ? moe_gemm_kernel<DT_FP8> : moe_gemm_kernel<DT_NVFP4>;
+static void moe_gemm(GpuRank *g, const GMat &W, const void *a, const int *tok, int lda, void *out, int ldo, int n, int relu2, int TK,
+                     int E) {
+    MoeGemm mg = {W, a, tok, out, lda, ldo, n, relu2, g->moe_off, g->moe_tile, E};
+    /* the row tiles of all experts together: at most one partial tile for each expert with pairs */
+    dim3 grid(cdiv(n, MG_BN), cdiv(TK, MG_BM) + std::min(E, TK));
+    if (W.fmt == DT_F32) {
+        LAUNCH(grid, MG_BN, 0, g->stream, moe_gemm_f32_kernel, mg);
+        return;
+    }
+    auto kernel = W.fmt == DT_BF16 ? moe_gemm_kernel<DT_BF16> : W.fmt == DT_FP8 ? moe_gemm_kernel<DT_FP8> : moe_gemm_kernel<DT_NVFP4>;
     size_t smem = mg_smem(W.fmt);
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    /* the row tiles of all experts together: at most one partial tile for each expert with pairs */
-    LAUNCH(dim3(cdiv(n, MG_BN), cdiv(TK, MG_BM) + std::min(E, TK)), MG_THREADS, smem, g->stream, kernel, mg);
+    LAUNCH(grid, MG_THREADS, smem, g->stream, kernel, mg);
 }
 
 /* Launches moe_down_kernel for `rows` output rows (warps a row as gemv_wpr picks for the bytes of the
@@ -3205,12 +3265,22 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
         return;
     }
     int TK = T * K;
-    LAUNCH(1, 1024, 0, g->stream, moe_sort_kernel, g->moe_off, g->moe_tile, g->moe_tok, g->moe_row, (const int *)g->moe_idx, TK, K,
-           ms->E);
-    LAUNCH(TK, 256, 0, g->stream, moe_gather_kernel, g->moe_act, bf, g->moe_lda, z, d, (const int *)g->moe_tok, d);
+    int nw = std::max(1, std::min(32, 8192 / ms->E));   /* warps: their counts in at most 32 KB */
+    LAUNCH(1, 32 * nw, (size_t)nw * ms->E * sizeof(int), g->stream, moe_sort_kernel, g->moe_off, g->moe_tile, g->moe_tok, g->moe_row,
+           (const int *)g->moe_idx, TK, K, ms->E);
+    /* a: z in bf16 with 16-byte rows (the norm's x16 when it can be), fp32 for fp32 W; the up product
+       reads row tok[r] of it for its row r */
+    const void *a = z;
+    int lda = d;
+    if (bf && z == g->x && d % 8 == 0) {
+        a = g->x16;
+    } else if (bf) {
+        LAUNCH(T, 256, 0, g->stream, to_bf16_kernel<0>, g->act16, g->act_w, z, d, d);
+        a = g->act16, lda = g->act_w;
+    }
     /* h = relu(up a)^2 in a's dtype, y = down h (fp32), a pair a row */
-    moe_gemm(g, L->eup, g->moe_act, g->moe_lda, g->moe_h, mp, m, 1, TK, ms->E);
-    moe_gemm(g, L->edown, g->moe_h, mp, g->moe_y, d, d, 0, TK, ms->E);
+    moe_gemm(g, L->eup, a, g->moe_tok, lda, g->moe_h, mp, m, 1, TK, ms->E);
+    moe_gemm(g, L->edown, g->moe_h, NULL, mp, g->moe_y, d, d, 0, TK, ms->E);
     /* the shared expert: out = sdown relu(sup x)^2; the routed sum is added to it */
     relu2_mlp(g, out, ms->H, g->x, ms->H, T, &L->sup, &L->sdown, NULL);
     LAUNCH(dim3(cdiv(d, 256), T), 256, 0, g->stream, moe_combine_kernel, ms->lat ? g->moe_ylat : out, d, ms->lat ? 0 : 1,
@@ -3506,7 +3576,7 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
     }
     if (has_kind(c, K_MOE)) {   /* moe_alloc's buffers */
         size_t TK = T * c->top_k, d = c->latent ? c->latent : H;
-        b += TK * (3 + pad8((int)d) + pad8(s->moe) + d) * f + T * ((size_t)c->n_experts + 2 * c->latent) * f +
+        b += TK * (3 + pad8(s->moe) + d) * f + T * ((size_t)c->n_experts + 2 * c->latent) * f +
              (size_t)g->dec_t * pad8(c->top_k * pad8(s->moe) + s->shared) * f;
     }
     b += T * H * (f * 5 + 2) + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
@@ -3522,7 +3592,6 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
 /* The MoE buffers for steps of up to t tokens (gpu_init, and the kernel tests). */
 static void moe_alloc(GpuRank *g, const MoeShape *ms, int t) {
     size_t TK = (size_t)t * ms->K;
-    g->moe_lda = pad8(ms->d);
     CUDA_CHECK(cudaMalloc(&g->moe_idx, TK * sizeof(int)));
     CUDA_CHECK(cudaMalloc(&g->moe_done, sizeof(unsigned)));
     CUDA_CHECK(cudaMemset(g->moe_done, 0, sizeof(unsigned)));
@@ -3532,7 +3601,6 @@ static void moe_alloc(GpuRank *g, const MoeShape *ms, int t) {
     CUDA_CHECK(cudaMalloc(&g->moe_row, TK * sizeof(int)));
     g->moe_w = zeros(TK);
     g->moe_logits = zeros((size_t)t * ms->E);
-    g->moe_act = zeros(TK * g->moe_lda);
     g->moe_h = zeros(std::max(TK * pad8(ms->m), (size_t)std::min(t, std::max(g->dec_t, 1)) * pad8(ms->K * pad8(ms->m) + ms->S)));
     g->moe_y = zeros(TK * ms->d);
     g->moe_z = zeros((size_t)t * ms->lat);
@@ -3540,7 +3608,7 @@ static void moe_alloc(GpuRank *g, const MoeShape *ms, int t) {
 }
 
 static void moe_free(GpuRank *g) {
-    void *ptrs[] = {g->moe_idx, g->moe_done, g->moe_off, g->moe_tile, g->moe_tok, g->moe_row, g->moe_w, g->moe_logits, g->moe_act,
+    void *ptrs[] = {g->moe_idx, g->moe_done, g->moe_off, g->moe_tile, g->moe_tok, g->moe_row, g->moe_w, g->moe_logits,
                     g->moe_h, g->moe_y, g->moe_z, g->moe_ylat};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
 }
