@@ -534,6 +534,10 @@ __device__ __forceinline__ void cp_async4(float *dst, const float *src) {
 __device__ __forceinline__ void cp_async16(void *dst, const void *src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src));
 }
+/* Copies `bytes` (0..16) of src into the 16 bytes at dst, the rest zeros. */
+__device__ __forceinline__ void cp_async16z(void *dst, const void *src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(bytes));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int n> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(n) : "memory"); }
 
@@ -1562,8 +1566,11 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(float *y, const float
  * so exp2 serves). A warp owns 16 rows; its S tile never leaves registers: its accumulators are, in
  * the same lane order, the A operand of P V. Head dimensions are zero-padded to HD (a multiple of 16);
  * keys past the last one are zero rows, and a key after a row's own position is masked (-inf) only in
- * the tiles that cross the block's first position. Blocks of the last rows (the most keys) start first. */
-enum { FA_ROWS = 64, FA_KEYS = 64, FA_THREADS = 128 };
+ * the tiles that cross the block's first position. Blocks of the last rows (the most keys) start first.
+ * K and V tiles come in two stages (cp.async: the next tile loads while this one is used). 128 rows a
+ * block, not 64: each K and V tile read from L2 serves twice the queries (at 64, a 32k-token prompt
+ * read its keys at 1.5 TB/s and ran at 96 TFLOP/s). FA_THREADS: the decode kernel's block. */
+enum { FA_ROWS = 128, FA_KEYS = 64, FA_PTHREADS = FA_ROWS * 2, FA_THREADS = 128 };
 
 template <typename KT> struct PromptAttnArgs {
     float *y;                   /* [T, ldy] output, heads side by side */
@@ -1618,42 +1625,55 @@ __device__ __forceinline__ uint4 load8_bf16(const bf16 *src, int n, bool vec) {
 }
 
 /* y[t][h] = sum_j softmax_j(q[t][h] . k_j / sqrt(hd)) v_j over keys j <= pos + t (see above), from a
- * bf16 cache. Shared memory: Q, K, V tiles of 64 rows of HD + 8 bf16 (the 16-byte pad puts
- * the 8 rows an ldmatrix reads in different banks). */
+ * bf16 cache. Shared memory: a Q tile, then two stages of K and V tiles, rows of HD + 8 bf16 (the
+ * 16-byte pad puts the 8 rows an ldmatrix reads in different banks). */
 template <int HD>
-__global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(const __grid_constant__ PromptAttnArgs<bf16> a) {
-    constexpr int LDS = HD + 8, NT = FA_KEYS / 8, DT = HD / 8;
+__global__ void __launch_bounds__(FA_PTHREADS, HD <= 128 ? 2 : 1) flash_attn_kernel(const __grid_constant__ PromptAttnArgs<bf16> a) {
+    constexpr int LDS = HD + 8, NT = FA_KEYS / 8, DT = HD / 8, STAGE = 2 * FA_KEYS * LDS;
     const bf16 *kc = a.kc, *vc = a.vc;
     int kw = a.kw, hd = a.hd, gl = a.gl, T = a.T, pos = a.pos;
     float scale_log2 = a.scale * 1.4426950408889634f;
     extern __shared__ uint4 fa_sm[];
-    bf16 *Qs = (bf16 *)fa_sm, *Ks = Qs + FA_ROWS * LDS, *Vs = Ks + FA_KEYS * LDS;
+    bf16 *Qs = (bf16 *)fa_sm, *tiles = Qs + FA_ROWS * LDS;   /* stage st: K rows at tiles + st STAGE, then V rows */
     int kvh = blockIdx.y, r0 = (gridDim.x - 1 - blockIdx.x) * FA_ROWS;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     int t_first = r0 / gl, t_last = min(T - 1, (r0 + FA_ROWS - 1) / gl), n_keys = pos + t_last + 1;
     bool vec = hd % 8 == 0;   /* rows of whole 16-byte pieces (and 32-byte ones of fp32): vector loads */
     pdl_wait();
-    static_assert(FA_ROWS * DT % FA_THREADS == 0 && FA_KEYS * DT % FA_THREADS == 0, "tile loads: whole rounds of the block");
+    static_assert(FA_ROWS * DT % FA_PTHREADS == 0 && FA_KEYS * DT % FA_PTHREADS == 0, "tile loads: whole rounds of the block");
 #pragma unroll
-    for (int k = 0; k < FA_ROWS * DT / FA_THREADS; k++) {   /* Q rows; past the last token, zeros */
-        int i = threadIdx.x + k * FA_THREADS, r = i / DT, d = i % DT * 8, t = (r0 + r) / gl, h = kvh * gl + (r0 + r) % gl;
+    for (int k = 0; k < FA_ROWS * DT / FA_PTHREADS; k++) {   /* Q rows; past the last token, zeros */
+        int i = threadIdx.x + k * FA_PTHREADS, r = i / DT, d = i % DT * 8, t = (r0 + r) / gl, h = kvh * gl + (r0 + r) % gl;
         uint4 v = t < T ? load8_bf16(a.q + (size_t)t * a.ldq + h * hd + d, hd - d, vec && d < hd) : make_uint4(0, 0, 0, 0);
         *(uint4 *)&Qs[r * LDS + d] = v;
     }
     int ra = r0 + warp * 16 + g, rb = ra + 8;                         /* this lane's two rows */
     int qa = pos + min(ra / gl, T - 1), qb = pos + min(rb / gl, T - 1);   /* their positions (past T: the last) */
     float o[DT][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0, 0};
-    for (int j0 = 0; j0 < n_keys; j0 += FA_KEYS) {
-        __syncthreads();   /* the previous tile's reads are done */
-#pragma unroll 4   /* eight loads in flight before their stores */
-        for (int k = 0; k < FA_KEYS * DT / FA_THREADS; k++) {
-            int i = threadIdx.x + k * FA_THREADS, r = i / DT, d = i % DT * 8, j = j0 + r;
+    auto stage = [&](int st, int j0) {   /* keys j0 .. j0 + FA_KEYS - 1 into stage st; rows of 16-byte pieces by cp.async */
+        bf16 *Ks = tiles + st * STAGE, *Vs = Ks + FA_KEYS * LDS;
+#pragma unroll
+        for (int k = 0; k < FA_KEYS * DT / FA_PTHREADS; k++) {
+            int i = threadIdx.x + k * FA_PTHREADS, r = i / DT, d = i % DT * 8, j = j0 + r;
             size_t at = (size_t)j * kw + kvh * hd + d;
-            bool in = j < n_keys;
-            *(uint4 *)&Ks[r * LDS + d] = in ? load8_bf16(kc + at, hd - d, vec && d < hd) : make_uint4(0, 0, 0, 0);
-            *(uint4 *)&Vs[r * LDS + d] = in ? load8_bf16(vc + at, hd - d, vec && d < hd) : make_uint4(0, 0, 0, 0);
+            bool in = j < n_keys && d < hd;
+            if (vec) {
+                cp_async16z(&Ks[r * LDS + d], in ? kc + at : kc, in ? 16 : 0);
+                cp_async16z(&Vs[r * LDS + d], in ? vc + at : vc, in ? 16 : 0);
+            } else {
+                *(uint4 *)&Ks[r * LDS + d] = in ? load8_bf16(kc + at, hd - d, false) : make_uint4(0, 0, 0, 0);
+                *(uint4 *)&Vs[r * LDS + d] = in ? load8_bf16(vc + at, hd - d, false) : make_uint4(0, 0, 0, 0);
+            }
         }
-        __syncthreads();
+    };
+    stage(0, 0);
+    cp_async_commit();
+    for (int j0 = 0, st = 0; j0 < n_keys; j0 += FA_KEYS, st ^= 1) {
+        if (j0 + FA_KEYS < n_keys) stage(st ^ 1, j0 + FA_KEYS);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();   /* this tile has landed for every thread */
+        const bf16 *Ks = tiles + st * STAGE, *Vs = Ks + FA_KEYS * LDS;
         /* S = Q K^T for this warp's 16 rows and the tile's keys */
         float s[NT][4] = {};
 #pragma unroll
@@ -1712,6 +1732,7 @@ __global__ void __launch_bounds__(FA_THREADS) flash_attn_kernel(const __grid_con
                 mma_bf16(o[d + 1], pa, b[2], b[3]);
             }
         }
+        __syncthreads();   /* every warp is done with this stage before it is refilled */
     }
 #pragma unroll
     for (int i = 0; i < 2; i++) {   /* the row's sum over its four lanes */
@@ -1920,9 +1941,9 @@ __global__ void __launch_bounds__(128) attn_prompt_f32_kernel(const __grid_const
 /* Prompt attention for a.T tokens from a.pos over n_kv local kv heads of a.gl query heads each: the
  * flash kernel from a bf16 cache, the fp32 one from an fp32 cache. */
 template <int HD> static void flash_attn_launch(cudaStream_t stream, const PromptAttnArgs<bf16> &a, int n_kv) {
-    size_t smem = (size_t)(FA_ROWS + 2 * FA_KEYS) * (HD + 8) * sizeof(bf16);
+    size_t smem = (size_t)(FA_ROWS + 4 * FA_KEYS) * (HD + 8) * sizeof(bf16);
     CUDA_CHECK(cudaFuncSetAttribute(flash_attn_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    LAUNCH(dim3(cdiv((long)a.T * a.gl, FA_ROWS), n_kv), FA_THREADS, smem, stream, flash_attn_kernel<HD>, a);
+    LAUNCH(dim3(cdiv((long)a.T * a.gl, FA_ROWS), n_kv), FA_PTHREADS, smem, stream, flash_attn_kernel<HD>, a);
 }
 
 static void attn_prompt(cudaStream_t stream, const PromptAttnArgs<bf16> &a, int n_kv) {
@@ -2492,11 +2513,6 @@ static __host__ __device__ constexpr int mg_wstep(int F) { return F == DT_BF16 ?
 static __host__ __device__ constexpr size_t mg_stage(int F) { return (size_t)MG_BM * 128 + (size_t)MG_BN * mg_wstep(F); }
 static constexpr size_t mg_smem(int F) { return MG_STAGES * mg_stage(F) + (F != DT_BF16) * (size_t)MG_BN * 128 + 1024; }
 
-/* Copies `bytes` (0..16) of src into the 16 bytes at dst, the rest zeros. */
-__device__ __forceinline__ void cp_async16z(void *dst, const void *src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
-}
-
 /* Makes this thread's shared-memory writes (cp.async's too) visible to wgmma's reads (the async proxy). */
 __device__ __forceinline__ void fence_async_smem() {
 #if __CUDA_ARCH__ >= 900
@@ -2528,8 +2544,20 @@ __device__ __forceinline__ uint64_t wg_desc(const void *p) {
 /* d[64x128] += a[64x16] b[128x16]^T, both from shared memory (descriptors), a warpgroup's. */
 __device__ __forceinline__ void wgmma_m64n128(float (&d)[64], uint64_t a, uint64_t b) {
     asm volatile("{.reg .pred p; setp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;}"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, %64, %65, p, 1, 1, 0, 0;}"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
                  : "l"(a), "l"(b), "r"(1));
 }
 
@@ -2595,7 +2623,8 @@ template <int F> __global__ void __launch_bounds__(MG_THREADS, 2) moe_gemm_kerne
     }
     for (int s = 0; s < steps; s++) {
         uint8_t bsv[2] = {0, 0};
-        if (F == DT_NVFP4 && bsrow && s * MG_BK + qh * 32 < K) { bsv[0] = bsrow[(s * MG_BK + qh * 32) / 16]; bsv[1] = bsrow[(s * MG_BK + qh * 32) / 16 + 1]; }
+        int kb = s * MG_BK + qh * 32;   /* NVFP4: the first element of this thread's piece */
+        if (F == DT_NVFP4 && bsrow && kb < K) bsv[0] = bsrow[kb / 16], bsv[1] = bsrow[kb / 16 + 1];
         cp_async_wait<MG_STAGES - 2>();
         fence_async_smem();
         __syncthreads();   /* step s has landed for every thread; every warp is done with step s - 1 */
@@ -3638,7 +3667,7 @@ static void gpu_init(Rank *r) {
     CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     if (need > free_b) {
         fprintf(stderr, "nemoh: GPU %d: the model needs %.2f GB on this rank, %.2f GB are free (try a larger --tp, a "
-                        "smaller -c, or --cpu)\n", r->gpu, need / 1e9, free_b / 1e9);
+                        "smaller -c or --chunk, or --cpu)\n", r->gpu, need / 1e9, free_b / 1e9);
         exit(1);
     }
 
