@@ -3968,7 +3968,7 @@ static void usage(void) {
           "  --no-fuse          all-reduce at each layer's end instead of fused into the next norm\n"
           "  --trace            print what each layer of the first decode step runs\n"
           "  --chunk N          prompt tokens per forward step (default on a GPU: 2048, 8192 for prompts longer than\n"
-          "                     2048 tokens; 128 on the CPU)\n"
+          "                     2048 tokens unless logits are dumped; 128 on the CPU)\n"
           "                     (a larger step reads long prompts faster and takes more GPU memory)\n"
           "  --no-graph         run decode steps eagerly instead of replaying a CUDA graph\n"
           "  --random PRESET    random weights at a published shape (no files needed):\n"
@@ -4207,8 +4207,9 @@ int main(int argc, char **argv) {
     o.mtp = mtp;
 
     /* on a GPU a prompt past 2048 tokens goes 8192 a step: its attention and expert products run on
-       larger tiles of work (a 32k-token prompt on nemotron-3-nano-30b-a3b: 19% faster, bench/RESULTS.md) */
-    int longp = (do_bench ? P : n_prompt) > 2048, t_max = chunk ? chunk : gpus ? (longp ? 8192 : 2048) : 128;
+       larger tiles of work (a 32k-token prompt on nemotron-3-nano-30b-a3b: 20% faster, bench/RESULTS.md);
+       not where logits are dumped, whose buffers hold a step's rows of the vocabulary */
+    int longp = (do_bench ? P : n_prompt) > 2048 && !o.dump && !o.dump_mtp, t_max = chunk ? chunk : gpus ? (longp ? 8192 : 2048) : 128;
     if (t_max < mtp + 1) t_max = mtp + 1;   /* a step verifies the last token and its drafts in one forward */
     if (t_max > ctx) t_max = ctx;
     cpu_threads = (int)sysconf(_SC_NPROCESSORS_ONLN) / tp;
