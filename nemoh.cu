@@ -1568,8 +1568,9 @@ __global__ void __launch_bounds__(128) attn_combine_kernel(float *y, const float
  * keys past the last one are zero rows, and a key after a row's own position is masked (-inf) only in
  * the tiles that cross the block's first position. Blocks of the last rows (the most keys) start first.
  * K and V tiles come in two stages (cp.async: the next tile loads while this one is used). 128 rows a
- * block, not 64: each K and V tile read from L2 serves twice the queries (at 64, a 32k-token prompt
- * read its keys at 1.5 TB/s and ran at 96 TFLOP/s). FA_THREADS: the decode kernel's block. */
+ * block, not 64: each K and V tile read from L2 serves twice the queries (2048 queries against 32k
+ * keys: 255 TFLOP/s, 83 at 64 rows with one stage; bench/RESULTS.md). FA_THREADS: the decode
+ * kernel's block. */
 enum { FA_ROWS = 128, FA_KEYS = 64, FA_PTHREADS = FA_ROWS * 2, FA_THREADS = 128 };
 
 template <typename KT> struct PromptAttnArgs {
