@@ -992,17 +992,15 @@ static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hi
     free_rank(&g);
 }
 
-/* ---- a MoE layer's decode for a few tokens (a verify step): the router and the experts' kernels over
- * T tokens in one launch each, against T one-token steps, bit for bit: choices, weights, outputs.
- * Experts in fe, shared expert and latent projections in fs (synthetic weights drawn on the device). ---- */
-static void test_moe_tokens(int fe, int fs, int E, int K, int m, int S, int hidden, int lat, int T) {
+/* A MoE layer with synthetic weights drawn on the device (experts in fe; shared expert and latent
+ * projections in fs), each matrix's values times scale(fmt, cols), and a random router gate and bias;
+ * free_synth_moe_layer frees it. */
+static GLayer synth_moe_layer(int fe, int fs, int E, int m, int S, int hidden, int lat, float (*scale)(int fmt, int cols)) {
     int d = lat ? lat : hidden;
-    MoeShape ms = {E, K, m, S, hidden, lat, d};
-    MoeRoute rt = {E, K, 1, 1, 1, 2.5f};
-    auto sc = [](int fmt, int cols) { return fmt == DT_FP8 ? 0.05f / sqrtf((float)cols) : fmt == DT_NVFP4 ? 0.5f / sqrtf((float)cols) : 1.0f; };
-    Mat eu = {NULL, fe, E * m, d, (size_t)d, NULL, 0, sc(fe, d)}, ed = {NULL, fe, E * d, m, (size_t)m, NULL, 0, sc(fe, m)},
-        su = {NULL, fs, S, hidden, (size_t)hidden, NULL, 0, sc(fs, hidden)}, sd = {NULL, fs, hidden, S, (size_t)S, NULL, 0, sc(fs, S)},
-        li = {NULL, fs, lat, hidden, (size_t)hidden, NULL, 0, sc(fs, hidden)}, lo = {NULL, fs, hidden, lat, (size_t)lat, NULL, 0, sc(fs, lat)};
+    Mat eu = {NULL, fe, E * m, d, (size_t)d, NULL, 0, scale(fe, d)}, ed = {NULL, fe, E * d, m, (size_t)m, NULL, 0, scale(fe, m)},
+        su = {NULL, fs, S, hidden, (size_t)hidden, NULL, 0, scale(fs, hidden)}, sd = {NULL, fs, hidden, S, (size_t)S, NULL, 0, scale(fs, S)},
+        li = {NULL, fs, lat, hidden, (size_t)hidden, NULL, 0, scale(fs, hidden)},
+        lo = {NULL, fs, hidden, lat, (size_t)lat, NULL, 0, scale(fs, lat)};
     GLayer L;
     memset(&L, 0, sizeof L);
     L.eup = upload_mat(&eu, 1);
@@ -1012,6 +1010,24 @@ static void test_moe_tokens(int fe, int fs, int E, int K, int m, int S, int hidd
     if (lat) { L.lat_in = upload_mat(&li, 1); L.lat_out = upload_mat(&lo, 1); }
     L.gate = dev_copy(rand_vec((size_t)E * hidden, 3.0f / sqrtf((float)hidden)));
     L.gate_bias = dev_copy(rand_vec(E, 0.05f));
+    return L;
+}
+
+static void free_synth_moe_layer(GLayer *L) {
+    for (GMat *p : {&L->eup, &L->edown, &L->sup, &L->sdown, &L->lat_in, &L->lat_out}) free_mat(p);
+    for (float *p : {L->gate, L->gate_bias}) CUDA_CHECK(cudaFree(p));
+}
+
+/* ---- a MoE layer's decode for a few tokens (a verify step): the router and the experts' kernels over
+ * T tokens in one launch each, against T one-token steps, bit for bit: choices, weights, outputs.
+ * Experts in fe, shared expert and latent projections in fs (synthetic weights drawn on the device). ---- */
+static void test_moe_tokens(int fe, int fs, int E, int K, int m, int S, int hidden, int lat, int T) {
+    int d = lat ? lat : hidden;
+    MoeShape ms = {E, K, m, S, hidden, lat, d};
+    MoeRoute rt = {E, K, 1, 1, 1, 2.5f};
+    GLayer L = synth_moe_layer(fe, fs, E, m, S, hidden, lat, [](int fmt, int cols) {
+        return fmt == DT_FP8 ? 0.05f / sqrtf((float)cols) : fmt == DT_NVFP4 ? 0.5f / sqrtf((float)cols) : 1.0f;
+    });
     GpuRank g = make_rank(8);
     g.dec_t = g.dec_now = T;
     moe_alloc(&g, &ms, T);
@@ -1043,8 +1059,8 @@ static void test_moe_tokens(int fe, int fs, int E, int K, int m, int S, int hidd
     expect_same("... their weights = one token at a time", w_many, w_one);
     expect_same("... the layer's output = one token at a time", out_many, host_copy(one, (size_t)T * hidden));
     expect_int("... the output is finite", finite, 1);
-    for (GMat *p : {&L.eup, &L.edown, &L.sup, &L.sdown, &L.lat_in, &L.lat_out}) free_mat(p);
-    for (void *p : {(void *)L.gate, (void *)L.gate_bias, (void *)x, (void *)many, (void *)one}) CUDA_CHECK(cudaFree(p));
+    free_synth_moe_layer(&L);
+    for (void *p : {(void *)x, (void *)many, (void *)one}) CUDA_CHECK(cudaFree(p));
     moe_free(&g);
     free_rank(&g);
 }
@@ -1585,18 +1601,7 @@ static void time_moe(const char *name, int E, int K, int m, int S, int hidden, i
     int d = lat ? lat : hidden;
     MoeShape ms = {E, K, m, S, hidden, lat, d};
     MoeRoute rt = {E, K, 1, 1, 1, 2.5f};
-    Mat eu = {NULL, fe, E * m, d, (size_t)d, NULL, 0, 1e-3f}, ed = {NULL, fe, E * d, m, (size_t)m, NULL, 0, 1e-3f},
-        su = {NULL, fs, S, hidden, (size_t)hidden, NULL, 0, 1e-3f}, sd = {NULL, fs, hidden, S, (size_t)S, NULL, 0, 1e-3f},
-        li = {NULL, fs, lat, hidden, (size_t)hidden, NULL, 0, 1e-3f}, lo = {NULL, fs, hidden, lat, (size_t)lat, NULL, 0, 1e-3f};
-    GLayer L;
-    memset(&L, 0, sizeof L);
-    L.eup = upload_mat(&eu, 1);
-    L.edown = upload_mat(&ed, 1);
-    L.sup = upload_mat(&su, 1);
-    L.sdown = upload_mat(&sd, 1);
-    if (lat) { L.lat_in = upload_mat(&li, 1); L.lat_out = upload_mat(&lo, 1); }
-    L.gate = dev_copy(rand_vec((size_t)E * hidden, 3.0f / sqrtf((float)hidden)));
-    L.gate_bias = dev_copy(rand_vec(E, 0.05f));
+    GLayer L = synth_moe_layer(fe, fs, E, m, S, hidden, lat, [](int, int) { return 1e-3f; });
     GpuRank g = make_rank((size_t)T * pad8(std::max({hidden, S, lat})));
     g.act_w = pad8(std::max({hidden, S, lat}));
     std::vector<float> x = rand_vec((size_t)T * hidden);
@@ -1631,8 +1636,8 @@ static void time_moe(const char *name, int E, int K, int m, int S, int hidden, i
     if (T == 1)
         printf("# moe decode layer %s %s/%s (%d experts top %d, %d rows, shared %d, hidden %d, latent %d): %.1f us, %.0f GB/s of %.1f MB\n",
                name, fmt_name(fe), fmt_name(fs), E, K, m, S, hidden, lat, us, bytes / (us * 1e3), bytes / 1e6);
-    for (GMat *p : {&L.eup, &L.edown, &L.sup, &L.sdown, &L.lat_in, &L.lat_out}) free_mat(p);
-    for (void *p : {(void *)L.gate, (void *)L.gate_bias, (void *)out, (void *)g.x, (void *)g.x16, (void *)g.proj}) CUDA_CHECK(cudaFree(p));
+    free_synth_moe_layer(&L);
+    for (void *p : {(void *)out, (void *)g.x, (void *)g.x16, (void *)g.proj}) CUDA_CHECK(cudaFree(p));
     moe_free(&g);
     free_rank(&g);
 }
