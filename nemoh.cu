@@ -1229,19 +1229,21 @@ static int gated_norm_threads(int gsize) { return std::min(1024, (cdiv(gsize, GN
  * four matrix products a chunk (M = (C B^T) masked and decayed, M (dt x), (e^cs C) S0^T, (w x)^T B),
  * done on the tensor cores in TF32 (fp32 operands rounded to 10 mantissa bits, fp32 accumulators);
  * the state stays fp32 in shared memory, and the chunks follow each other in fp32. Block (head h,
- * SSD_ROWS channels of it), eight warps, each taking 16x8 output tiles of a product in turn; chunk
- * inputs past the last step are zeros (dt = 0 too, so they neither decay nor add). The state is read
+ * SSD_ROWS channels of it), its warps each taking 16x8 output tiles of a product in turn; chunk
+ * inputs past the last step are zeros (dt = 0 too, so they neither decay nor add). A chunk's inputs
+ * come by cp.async, all of them in flight at once: loaded batch by batch, their round trips took most
+ * of the scan's time (the math of a chunk is ~2 MFLOP a block). The state is read
  * at the start and written back at the end: the next prompt chunk, or the decode's step-by-step scan,
  * continues from it. L = 64 keeps the chunk's B, C, M and the state within shared memory up to
- * N = 256. 32 channels a block, not a head's 64: a block per SM (at N = 128) left 8 warps to hide
- * every product's latency, and a head's blocks each redo only C B^T. */
-enum { SSD_L = 64, SSD_WARPS = 8, SSD_ROWS = 32 };
+ * N = 256. 32 channels a block, not a head's 64: two blocks an SM (at N = 128) hide more of every
+ * product's latency, and a head's blocks each redo only C B^T. Where the blocks are no more than the
+ * SMs, one an SM, 16 warps a block instead of 8 hide it. */
+enum { SSD_L = 64, SSD_ROWS = 32 };
 
-__device__ __forceinline__ uint32_t tf32(float x) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
+/* x rounded to TF32, to nearest with ties away from zero (cvt.rna's rounding): half a TF32 unit added
+ * to the magnitude's bits, the 13 below TF32's mantissa then ignored by the tensor cores. An integer add,
+ * where the scan's ~6 conversions a product made cvt the bottleneck. */
+__device__ __forceinline__ uint32_t tf32(float x) { return __float_as_uint(x) + 0x1000u; }
 
 /* d[16x8] += a[16x8] b[8x8], TF32 operands, fp32 accumulators */
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -1257,17 +1259,17 @@ static constexpr int ssd_smem_floats(int N) {
 }
 
 template <int N>
-__global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(const __grid_constant__ ScanArgs sa) {
+__global__ void __launch_bounds__(512, 1) ssd_scan_kernel(const __grid_constant__ ScanArgs sa) {
     float *y = sa.y, *ssm = sa.ssm;
     const float *xbc = sa.xbc, *proj = sa.proj;
     int ld_proj = sa.ld_proj, dt_off = sa.dt_off, T = sa.T, heads = sa.heads, hdim = sa.hdim, groups = sa.groups, d_inner = sa.d_inner;
     constexpr int L = SSD_L, PB = SSD_ROWS, LX = PB + 8, LB = N + 4, LM = L + 4;
-    static_assert(L == 64 && L * N % (32 * SSD_WARPS) == 0, "the decay scan takes two steps a lane; loads whole rounds");
+    static_assert(L == 64, "the decay scan takes two steps a lane");
     extern __shared__ float4 ssd_sm4[];
     float *Xs = (float *)ssd_sm4, *Bs = Xs + L * LX, *Cs = Bs + L * LB, *Ms = Cs + L * LB, *Ss = Ms + L * LM;
     float *dts = Ss + PB * LB, *cs = dts + L, *ws = cs + L;   /* dt_s; cs_s; w_s = exp(cs_{L-1} - cs_s) dt_s */
     int h = blockIdx.x, p0 = blockIdx.y * PB, g = h / (heads / groups), cv = d_inner + 2 * groups * N;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, c = lane & 3;
+    int warp = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, c = lane & 3;
     float a = sa.A[h], d = sa.D[h], bias = sa.dt_bias[h];
     pdl_wait();
     for (int i = threadIdx.x; i < PB * N; i += blockDim.x) {
@@ -1277,18 +1279,27 @@ __global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(const __gri
     for (int t0 = 0; t0 < T; t0 += L) {
         int len = min(L, T - t0);
         __syncthreads();   /* the previous chunk is done with X, B, C, M, dt, cs, w; its state is written */
-#pragma unroll
-        for (int k = 0; k < L * PB / (32 * SSD_WARPS); k++) {
-            int i = threadIdx.x + k * 32 * SSD_WARPS, t = i / PB, p = i % PB;
-            Xs[t * LX + p] = t < len && p0 + p < hdim ? xbc[(size_t)(t0 + t) * cv + h * hdim + p0 + p] : 0.0f;
+        for (int i = threadIdx.x; i < L * PB; i += blockDim.x) {
+            int t = i / PB, p = i % PB;
+            if (t < len && p0 + p < hdim) cp_async4(&Xs[t * LX + p], xbc + (size_t)(t0 + t) * cv + h * hdim + p0 + p);
+            else Xs[t * LX + p] = 0.0f;
         }
-#pragma unroll 8
-        for (int k = 0; k < L * N / (32 * SSD_WARPS); k++) {
-            int i = threadIdx.x + k * 32 * SSD_WARPS, t = i / N, n = i % N;
-            const float *r = xbc + (size_t)(t0 + t) * cv + d_inner + g * N + n;
-            Bs[t * LB + n] = t < len ? r[0] : 0.0f;
-            Cs[t * LB + n] = t < len ? r[groups * N] : 0.0f;
-        }
+        const float *bc = xbc + (size_t)t0 * cv + d_inner + g * N;   /* B of step t0; its C is groups * N on */
+        if (d_inner % 4 == 0)   /* rows start 16-byte aligned: four floats a copy */
+            for (int i = threadIdx.x; i < L * N / 4; i += blockDim.x) {
+                int t = i / (N / 4), n = i % (N / 4) * 4, in = t < len ? 16 : 0;
+                cp_async16z(&Bs[t * LB + n], in ? bc + (size_t)t * cv + n : xbc, in);
+                cp_async16z(&Cs[t * LB + n], in ? bc + (size_t)t * cv + n + groups * N : xbc, in);
+            }
+        else
+            for (int i = threadIdx.x; i < L * N; i += blockDim.x) {
+                int t = i / N, n = i % N;
+                if (t < len) {
+                    cp_async4(&Bs[t * LB + n], bc + (size_t)t * cv + n);
+                    cp_async4(&Cs[t * LB + n], bc + (size_t)t * cv + n + groups * N);
+                } else Bs[t * LB + n] = Cs[t * LB + n] = 0.0f;
+            }
+        cp_async_commit();
         if (warp == 0) {   /* dt = softplus(raw + bias), then cs: an inclusive scan over the lanes' pairs of steps */
             float dt[2], la[2];
 #pragma unroll
@@ -1311,10 +1322,11 @@ __global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(const __gri
             ws[2 * lane] = __expf(last - c0) * dt[0];
             ws[2 * lane + 1] = __expf(last - run) * dt[1];
         }
+        cp_async_wait<0>();
         __syncthreads();
         /* M[t][s] = (C_t . B_s) exp(cs_t - cs_s) for s <= t, else 0: the 16x8 tiles on or below the diagonal,
            (rt + 1) * 2 of them in row tile rt, numbered row by row and dealt round the warps */
-        for (int tile = warp; tile < (L / 16) * (L / 16 + 1); tile += SSD_WARPS) {
+        for (int tile = warp; tile < (L / 16) * (L / 16 + 1); tile += nw) {
             int rt = 0;
             while ((rt + 1) * (rt + 2) <= tile) rt++;
             int nt = tile - rt * (rt + 1);
@@ -1337,7 +1349,7 @@ __global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(const __gri
         }
         __syncthreads();
         /* y_t = M[t] (dt x) + (e^cs_t C_t) S0^T + D x_t: 16x8 tiles of [steps, channels] */
-        for (int tile = warp; tile < (L / 16) * (PB / 8); tile += SSD_WARPS) {
+        for (int tile = warp; tile < (L / 16) * (PB / 8); tile += nw) {
             int rt = tile / (PB / 8), nt = tile % (PB / 8), t = rt * 16 + gr, p = nt * 8 + gr;
             float acc[2][4] = {}, e0 = __expf(cs[t]), e1 = __expf(cs[t + 8]);
             const float *ma = Ms + t * LM, *ca = Cs + t * LB, *sb = Ss + p * LB;
@@ -1369,7 +1381,7 @@ __global__ void __launch_bounds__(32 * SSD_WARPS, 2) ssd_scan_kernel(const __gri
         __syncthreads();   /* every read of S0 is done */
         /* S = exp(cs_{L-1}) S0 + (w x)^T B: 16x8 tiles of [channels, N], each warp's own */
         float el = __expf(cs[L - 1]);
-        for (int tile = warp; tile < (PB / 16) * (N / 8); tile += SSD_WARPS) {
+        for (int tile = warp; tile < (PB / 16) * (N / 8); tile += nw) {
             int pt = tile / (N / 8), nt = tile % (N / 8), p = pt * 16 + gr, n = nt * 8 + 2 * c;
             float *s0 = Ss + p * LB + n, *s1 = s0 + 8 * LB;
             float acc[2][4] = {{s0[0] * el, s0[1] * el, s1[0] * el, s1[1] * el}, {}};
@@ -1399,8 +1411,11 @@ static void ssd_scan(cudaStream_t stream, const ScanArgs &a, int N) {
     auto k = N == 8 ? ssd_scan_kernel<8> : N == 16 ? ssd_scan_kernel<16> : N == 32 ? ssd_scan_kernel<32>
            : N == 64 ? ssd_scan_kernel<64> : N == 128 ? ssd_scan_kernel<128> : ssd_scan_kernel<256>;
     size_t smem = ssd_smem_floats(N) * sizeof(float);
+    int gpu, sms, blocks = a.heads * cdiv(a.hdim, SSD_ROWS);
+    CUDA_CHECK(cudaGetDevice(&gpu));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, gpu));
     CUDA_CHECK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    LAUNCH(dim3(a.heads, cdiv(a.hdim, SSD_ROWS)), 32 * SSD_WARPS, smem, stream, k, a);
+    LAUNCH(dim3(a.heads, cdiv(a.hdim, SSD_ROWS)), blocks <= sms ? 512 : 256, smem, stream, k, a);
 }
 
 /* ------------------------------------------------------------------------------------------------

@@ -1699,6 +1699,7 @@ int main(int argc, char **argv) {
     test_ssd(8, 64, 2, 128, {130, 1, 200, 1});      /* nemotron-h-8b's head and state: chunks across calls */
     test_ssd(4, 80, 1, 64, {65, 1});                /* P = 80: channels over two blocks, a chunk of one step at the end */
     test_ssd(4, 12, 2, 256, {100, 1});              /* N = 256: 32 channels a block */
+    test_ssd(3, 10, 1, 8, {37, 1});                 /* d_inner 30: B and C rows not 16-byte aligned */
     test_ssd(16, 64, 8, 32, {2, 1, 3});             /* two-step prompts */
     test_attention<float>(4, 2, 20, 0, 8);
     test_attention<float>(6, 3, 8, 7, 15);
@@ -1823,7 +1824,8 @@ int main(int argc, char **argv) {
     time_chain();
     time_sample(131072, 1);
     time_sample(131072, 0);
-    time_scan(128, 64, 8, 128, 2048);
+    time_scan(128, 64, 8, 128, 2048);   /* nemotron-h-8b */
+    time_scan(64, 64, 8, 128, 2048);    /* nemotron-3-nano-30b-a3b: a block an SM */
     time_scan(128, 80, 8, 128, 2048);   /* nemotron-nano-9b-v2 */
     time_prompt_attention(32, 8, 128, 0, 2048);       /* nemotron-h-8b, a 2048-token prompt */
     time_prompt_attention(40, 8, 128, 30720, 2048);   /* nemotron-nano-9b-v2, the last chunk of 32768 */
