@@ -1226,10 +1226,10 @@ static Mat tiny_mat(int fmt, int rows, int cols) {
     return Mat{NULL, fmt, rows, cols, (size_t)cols, NULL, 0, sc};
 }
 
-static void tiny_model(Tiny &m, int fmt) {
+static void tiny_model(Tiny &m, int fmt, int hidden = 320) {
     Config &c = m.c;
     memset(&c, 0, sizeof c);
-    c.vocab = 1000, c.hidden = 320, c.n_layers = 4, c.n_mtp = 2, c.eps = 1e-5f;
+    c.vocab = 1000, c.hidden = hidden, c.n_layers = 4, c.n_mtp = 2, c.eps = 1e-5f;
     memcpy(c.kind, "M*-E*E", 6);
     c.n_heads = 4, c.n_kv = 2, c.head_dim = 32, c.mlp = 400;
     c.m_heads = 8, c.m_hdim = 16, c.n_groups = 2, c.d_state = 16, c.d_conv = 4, c.conv_bias = 1, c.ctx = 64;
@@ -1323,23 +1323,62 @@ static void tiny_mtp(Rank *r, const int *tok, int T, int row, int pos, int all) 
     r->pass = PASS_MAIN;
 }
 
+/* One rank of the CUDA engine over m, up to t_max tokens a step (free: be->free, be->teardown). */
+static void tiny_rank(Rank &r, Tiny &m, int t_max, int spec) {
+    memset(&r, 0, sizeof r);
+    r.c = &m.c;
+    r.s = m.s;
+    r.w = m.w;
+    r.be = &cuda_backend;
+    r.sh = cuda_backend.setup(&m.c, 1, t_max, t_max);
+    r.t_max = t_max;
+    r.ctx = m.c.ctx;
+    r.fuse = 1;
+    r.spec = spec;
+    cuda_backend.init(&r);
+}
+
+/* ---- a layer's entry norm (NORM_FUSED: the fused all-reduce + residual add + RMSNorm, one rank)
+ * against float64: res += pend; x = rmsnorm(res) * w, x16 its bf16 copy at a prompt ---- */
+static void test_fused_norm(int hidden, int T) {
+    Tiny m;
+    tiny_model(m, DT_BF16, hidden);
+    Rank r;
+    tiny_rank(r, m, T, 0);
+    GpuRank *g = gpu_rank(&r);
+    size_t n = (size_t)T * hidden;
+    std::vector<float> res = rand_vec(n, 3.0f), pend = rand_vec(n), w = host_copy(g->L[1].norm, hidden);
+    CUDA_CHECK(cudaMemcpy(g->res, res.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(pend_out(&r), pend.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    cuda_backend.norm(&r, 1, NORM_FUSED, T);
+    CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    std::vector<double> rr(n), rx(n);
+    for (int t = 0; t < T; t++) {
+        double ss = 0;
+        for (int i = 0; i < hidden; i++) {
+            size_t k = (size_t)t * hidden + i;
+            rr[k] = (double)res[k] + pend[k];
+            ss += rr[k] * rr[k];
+        }
+        for (int i = 0; i < hidden; i++) rx[(size_t)t * hidden + i] = rr[(size_t)t * hidden + i] / sqrt(ss / hidden + 1e-5) * w[i];
+    }
+    char what[128];
+    snprintf(what, sizeof what, "fused all-reduce + add + rmsnorm (%s) hidden=%d T=%d: normed", g->pend.devapi ? "device API" : "NCCL",
+             hidden, T);
+    expect(what, host_copy(g->x, n), rx, 1e-5);
+    expect("... residual", host_copy(g->res, n), rr, 1e-6);
+    if (!decoded(g, T)) expect("... normed, in bf16 too", host_copy_as(g->x16, n), rx, 4e-3);
+    cuda_backend.free(&r);
+    cuda_backend.teardown(r.sh);
+}
+
 static void test_engine(int fmt, int spec, int T) {
     Tiny m;
     tiny_model(m, fmt);
     const Backend *be = &cuda_backend;
     int t_max = 16, V = m.c.vocab, H = m.c.hidden, P = 13;
     Rank r;
-    memset(&r, 0, sizeof r);
-    r.c = &m.c;
-    r.s = m.s;
-    r.w = m.w;
-    r.be = be;
-    r.sh = be->setup(&m.c, 1, t_max, t_max);
-    r.t_max = t_max;
-    r.ctx = m.c.ctx;
-    r.fuse = 1;
-    r.spec = spec;
-    be->init(&r);
+    tiny_rank(r, m, t_max, spec);
     GpuRank *g = gpu_rank(&r);
     std::vector<int> prompt(P), step(T), drafts(T), pm(P);
     for (auto *v : {&prompt, &step, &drafts, &pm}) for (auto &t : *v) t = (int)(rng() % V);
@@ -1781,6 +1820,9 @@ int main(int argc, char **argv) {
     test_moe_tokens(DT_NVFP4, DT_BF16, 10, 4, 32, 16, 64, 32, 9);
     test_moe_tokens(DT_NVFP4, DT_NVFP4, 8, 6, 1296, 592, 528, 80, 2);
     test_moe_tokens(DT_NVFP4, DT_FP8, 512, 22, 1344, 2688, 4096, 1024, 4);   /* a rank of 2 of nemotron-3-super-120b-a12b */
+    test_fused_norm(320, 7);      /* four elements a thread at most: two blocks an SM */
+    test_fused_norm(4104, 3);     /* eight */
+    test_fused_norm(4096, 1);
     for (int fmt : {DT_BF16, DT_F32, DT_FP8, DT_NVFP4}) test_engine(fmt, 4, 5);
     test_engine(DT_BF16, 8, 9);     /* rounds of GEMV_TOKENS */
     test_engine(DT_BF16, 3, 2);     /* fewer tokens than the step may verify */
