@@ -3,7 +3,11 @@
 CC ?= cc
 NATIVE := $(shell $(CC) -march=native -E -x c /dev/null >/dev/null 2>&1 && echo -march=native)
 OPENMP := $(shell echo 'int main(void){return 0;}' | $(CC) -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
-CFLAGS ?= -O3 $(NATIVE) -Wall -Wextra
+# a * b + c as one fused multiply-add where the CPU has one: ISO C mode (-std=c11) turns that off in
+# gcc, which left the CPU's dot products two instructions an element (the default model's decode
+# 6% slower, a 4-token verify forward's products ~30%)
+FPCONTRACT := $(shell $(CC) -ffp-contract=fast -E -x c /dev/null >/dev/null 2>&1 && echo -ffp-contract=fast)
+CFLAGS ?= -O3 $(NATIVE) $(FPCONTRACT) -Wall -Wextra
 LDLIBS = -lm -lpthread
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
