@@ -454,23 +454,26 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
     }
 
     /* the selective scan, per head h of group g = h / (heads per group):
-     * dt = softplus(dt + dt_bias); S = exp(dt*A) * S + dt * x (x) B; y = S.C + D * x */
-    for (int t = 0; t < T; t++) {
-        const float *xt = st->xbc + (size_t)t * cv, *Bt = xt + di, *Ct = Bt + groups * N;
-        for (int h = 0; h < m_heads; h++) {
-            int g = h / (m_heads / groups);
+     * dt = softplus(dt + dt_bias); S = exp(dt*A) * S + dt * x (x) B; y = S.C + D * x
+     * The heads are independent: the rank's threads take whole heads, each through every step. */
+#pragma omp parallel for num_threads(cpu_threads) schedule(static)
+    for (int h = 0; h < m_heads; h++) {
+        int g = h / (m_heads / groups);
+        size_t hs = (size_t)h * hdim * N;   /* the head's state: [hdim, N] */
+        for (int t = 0; t < T; t++) {
+            const float *xt = st->xbc + (size_t)t * cv, *Bt = xt + di, *Ct = Bt + groups * N;
             float dt = softplus(st->proj[(size_t)t * in + di + cv + h] + L->dt_bias[h]);
             float dA = expf(dt * L->A[h]);
             for (int p = 0; p < hdim; p++) {
-                float *S = st->ssm[l] + ((size_t)h * hdim + p) * N, xv = xt[h * hdim + p], y = 0;
+                float *S = st->ssm[l] + hs + (size_t)p * N, xv = xt[h * hdim + p], y = 0;
                 for (int n = 0; n < N; n++) {
                     S[n] = dA * S[n] + dt * xv * Bt[g * N + n];
                     y += S[n] * Ct[g * N + n];
                 }
                 st->y[(size_t)t * di + h * hdim + p] = y + L->D[h] * xv;
             }
+            if (r->keep) memcpy(st->keep[l] + t * keep_n + nc + hs, st->ssm[l] + hs, (size_t)hdim * N * sizeof(float));
         }
-        if (r->keep) memcpy(st->keep[l] + t * keep_n + nc, st->ssm[l], (size_t)di * N * sizeof(float));
     }
 
     /* u = y * silu(z), then RMSNorm over each group of d_inner/groups channels, times norm.weight */
