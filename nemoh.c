@@ -209,7 +209,7 @@ typedef struct {
     float *xbc;                 /* [t_max, conv] conv1d + SiLU output */
     float *y;                   /* [t_max, max(d_inner, q*head_dim)] mixer output before out_proj */
     float *hist;                /* [d_conv - 1 + t_max] one conv channel's input history */
-    float *att;                 /* [ctx] attention weights of one query */
+    float *att;                 /* [q heads, ctx] attention weights of one query, a row a head */
     float **conv;               /* [n_all] Mamba: [conv, d_conv-1] last inputs, oldest first */
     float **ssm;                /* [n_all] Mamba: [m_heads, m_hdim, d_state] fp32 state */
     float **k, **v;             /* [n_all] attention: [ctx, kv*head_dim] cache */
@@ -328,7 +328,7 @@ static void cpu_init(Rank *r) {
     st->xbc = xcalloc(T * (size_t)(s->conv ? s->conv : 1), sizeof(float));
     st->y = xcalloc(T * (size_t)(yw ? yw : 1), sizeof(float));
     st->hist = xcalloc((size_t)c->d_conv + T, sizeof(float));
-    st->att = xcalloc((size_t)r->ctx, sizeof(float));
+    st->att = xcalloc((size_t)(s->q ? s->q : 1) * (size_t)r->ctx, sizeof(float));
     size_t nl = (size_t)n_all(c), nc = (size_t)s->conv * (size_t)(c->d_conv - 1), ns = (size_t)s->d_inner * (size_t)c->d_state;
     st->conv = xcalloc(nl, sizeof(float *));
     st->ssm = xcalloc(nl, sizeof(float *));
@@ -502,26 +502,29 @@ static void cpu_attention(Rank *r, int l, int T, int pos) {
         memcpy(st->k[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * qkv_w + qw, (size_t)kw * sizeof(float));
         memcpy(st->v[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * qkv_w + qw + kw, (size_t)kw * sizeof(float));
     }
-    for (int t = 0; t < T; t++) {
-        int n = pos + t + 1;  /* keys 0..pos+t */
-        for (int h = 0; h < s->q; h++) {
+    /* the heads are independent: the rank's threads take whole heads, each with its own row of att */
+#pragma omp parallel for num_threads(cpu_threads) schedule(static)
+    for (int h = 0; h < s->q; h++) {
+        int kvh = (s->q0 + h) / q_per_kv - s->kv0;
+        float *att = st->att + (size_t)h * r->ctx;
+        for (int t = 0; t < T; t++) {
+            int n = pos + t + 1;  /* keys 0..pos+t */
             const float *q = st->proj + (size_t)t * qkv_w + h * hd;
-            int kvh = (s->q0 + h) / q_per_kv - s->kv0;
             /* a_j = softmax_j(q . k_j / sqrt(head_dim)); out = sum_j a_j v_j */
             float mx = -INFINITY, sum = 0;
             for (int j = 0; j < n; j++) {
                 const float *k = st->k[l] + (size_t)j * kw + kvh * hd;
                 float d = 0;
                 for (int i = 0; i < hd; i++) d += q[i] * k[i];
-                st->att[j] = d * scale;
-                if (st->att[j] > mx) mx = st->att[j];
+                att[j] = d * scale;
+                if (att[j] > mx) mx = att[j];
             }
-            for (int j = 0; j < n; j++) sum += st->att[j] = expf(st->att[j] - mx);
+            for (int j = 0; j < n; j++) sum += att[j] = expf(att[j] - mx);
             float *out = st->y + (size_t)t * qw + h * hd;
             memset(out, 0, (size_t)hd * sizeof(float));
             for (int j = 0; j < n; j++) {
                 const float *v = st->v[l] + (size_t)j * kw + kvh * hd;
-                float a = st->att[j] / sum;
+                float a = att[j] / sum;
                 for (int i = 0; i < hd; i++) out[i] += a * v[i];
             }
         }
