@@ -21,7 +21,6 @@
 #include <nccl.h>
 #include <nccl_device.h>
 #include <float.h>
-#include <type_traits>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
