@@ -194,7 +194,7 @@ typedef struct {
     int *moe_tok, *moe_row;     /* [t_max * top_k] a row's token; a pair's row */
     float *moe_h;               /* [t_max * top_k, pad8(moe)] relu(up)^2 in the up input's dtype (decoded: fp32
                                    [T, top_k * pad8(moe) + shared]) */
-    float *moe_y;               /* [t_max * top_k, d] routed outputs, a row a pair */
+    float *moe_y;               /* [t_max * top_k, d] routed outputs, a row a pair (bf16 where the experts are) */
     float *moe_z, *moe_ylat;    /* [t_max, latent] fc1 output; weighted routed sum before fc2 */
     int rows;                   /* logits rows the last step wrote */
     int proj_w, y_w, act_w;     /* columns of proj, y (proj_width, y_width) and act16 (the widest input) */
@@ -2449,15 +2449,17 @@ __global__ void __launch_bounds__(1024) moe_sort_kernel(int *off, int *tile, int
     }
 }
 
-/* out[t] = (add ? out[t] : 0) + sum over slots k of wt[t][k] y[row_of[t K + k]], the slots in order. */
-__global__ void moe_combine_kernel(float *out, int ldo, int add, const float *y, int ldy, const int *row_of, const float *wt,
+/* out[t] = (add ? out[t] : 0) + sum over slots k of wt[t][k] y[row_of[t K + k]], the slots in order
+ * (y: fp32, or bf16 as a bf16 model's down product writes it). */
+template <typename YT>
+__global__ void moe_combine_kernel(float *out, int ldo, int add, const YT *y, int ldy, const int *row_of, const float *wt,
                                    int K, int cols) {
     pdl_wait();
     int t = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= cols) return;
     float acc = 0;
 #pragma unroll 4   /* four rows' loads in flight at once, not one round trip after another */
-    for (int k = 0; k < K; k++) acc += wt[(size_t)t * K + k] * y[(size_t)row_of[(size_t)t * K + k] * ldy + i];
+    for (int k = 0; k < K; k++) acc += wt[(size_t)t * K + k] * (float)y[(size_t)row_of[(size_t)t * K + k] * ldy + i];
     float *o = out + (size_t)t * ldo + i;
     *o = add ? *o + acc : acc;
 }
@@ -2518,8 +2520,8 @@ template <int FMT> __global__ void dequant_kernel(bf16 *out, int ldo, const GMat
 enum { MG_BN = 128, MG_BK = 64, MG_THREADS = 256, MG_STAGES = 3 };
 
 /* The grouped product: out[r][j] = epi(sum_k a[src r][k] W[e n + j][k]) for the rows r of every
- * expert e (off[e] .. off[e + 1] - 1) and j < n, src r = tok[r] (tok NULL: r); epi: relu(.)^2 in a's
- * dtype (relu2), else fp32. */
+ * expert e (off[e] .. off[e + 1] - 1) and j < n, src r = tok[r] (tok NULL: r); epi: relu(.)^2 (relu2)
+ * or nothing, written in a's dtype: bf16 (a bf16 prompt's up and down products), fp32 for fp32 W. */
 typedef struct {
     GMat W;                     /* [E * n, cols] every expert's matrix, expert e's rows from e * n */
     const void *a;              /* [., lda] inputs: bf16, or fp32 for fp32 W */
@@ -2702,14 +2704,9 @@ template <int F> __global__ void __launch_bounds__(MG_THREADS, 2) moe_gemm_kerne
             if (r >= rend || c >= p.n) continue;
             float v0 = acc[4 * j + 2 * h2], v1 = acc[4 * j + 2 * h2 + 1];
             bool two = c + 1 < p.n;
-            if (p.relu2) {
-                bf16 *o = (bf16 *)p.out + (size_t)r * p.ldo + c;
-                v0 = fmaxf(v0, 0.0f), v1 = fmaxf(v1, 0.0f);
-                if (two) *(__nv_bfloat162 *)o = __floats2bfloat162_rn(v0 * v0, v1 * v1); else *o = __float2bfloat16(v0 * v0);
-            } else {
-                float *o = (float *)p.out + (size_t)r * p.ldo + c;
-                if (two) *(float2 *)o = make_float2(v0, v1); else *o = v0;
-            }
+            if (p.relu2) v0 = fmaxf(v0, 0.0f) * fmaxf(v0, 0.0f), v1 = fmaxf(v1, 0.0f) * fmaxf(v1, 0.0f);
+            bf16 *o = (bf16 *)p.out + (size_t)r * p.ldo + c;
+            if (two) *(__nv_bfloat162 *)o = __floats2bfloat162_rn(v0, v1); else *o = __float2bfloat16(v0);
         }
 }
 
@@ -3243,6 +3240,12 @@ static void moe_choose(GpuRank *g, const GLayer *L, const MoeShape *ms, MoeRoute
            (const float *)L->gate_bias, rt);
 }
 
+/* The routed sum of a prompt's pairs y (fp32, or bf16) in token order: added to out, or the latent sum. */
+template <typename YT> static void moe_combine(GpuRank *g, const MoeShape *ms, int T, const YT *y, float *out) {
+    LAUNCH(dim3(cdiv(ms->d, 256), T), 256, 0, g->stream, moe_combine_kernel<YT>, ms->lat ? g->moe_ylat : out, ms->d, ms->lat ? 0 : 1, y, ms->d,
+           (const int *)g->moe_row, (const float *)g->moe_w, ms->K, ms->d);
+}
+
 /* The expert kernels for a format class, NT tokens a round. */
 template <int NT> static void (*moe_up_for(int f))(float *, const int *, const float *, const MoeUp) {
     return f == DT_F32 ? moe_up_kernel<DT_F32, NT> : f == DT_BF16 ? moe_up_kernel<DT_BF16, NT> : f == DT_FP8 ? moe_up_kernel<DT_FP8, NT>
@@ -3331,13 +3334,13 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
         LAUNCH(T, 256, 0, g->stream, to_bf16_kernel<0>, g->act16, g->act_w, z, d, d);
         a = g->act16, lda = g->act_w;
     }
-    /* h = relu(up a)^2 in a's dtype, y = down h (fp32), a pair a row */
+    /* h = relu(up a)^2, y = down h, in a's dtype, a pair a row */
     moe_gemm(g, L->eup, a, g->moe_tok, lda, g->moe_h, mp, m, 1, TK, ms->E);
     moe_gemm(g, L->edown, g->moe_h, NULL, mp, g->moe_y, d, d, 0, TK, ms->E);
     /* the shared expert: out = sdown relu(sup x)^2; the routed sum is added to it */
     relu2_mlp(g, out, ms->H, g->x, ms->H, T, &L->sup, &L->sdown, NULL);
-    LAUNCH(dim3(cdiv(d, 256), T), 256, 0, g->stream, moe_combine_kernel, ms->lat ? g->moe_ylat : out, d, ms->lat ? 0 : 1,
-           (const float *)g->moe_y, d, (const int *)g->moe_row, (const float *)g->moe_w, K, d);
+    if (bf) moe_combine(g, ms, T, (const bf16 *)g->moe_y, out);
+    else moe_combine(g, ms, T, (const float *)g->moe_y, out);
     if (ms->lat) {   /* out += fc2(routed latent sum) */
         int lda;
         const void *a = gemm_input(g, g->moe_ylat, ms->lat, T, &L->lat_out, &lda);

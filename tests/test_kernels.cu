@@ -945,7 +945,7 @@ static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hi
             for (int j = 0; j < d; j++) {
                 double a = 0;
                 for (int i = 0; i < m; i++) a += (double)down[e].v[(size_t)j * 2 * m + m + i] * h[i];
-                routed[j] += w[(size_t)t * K + k] * a;
+                routed[j] += w[(size_t)t * K + k] * bf16r(a, rb);   /* a bf16 prompt's down writes bf16 */
             }
         }
         std::vector<double> hs(S);
