@@ -531,6 +531,24 @@ __global__ void fill_kernel(void *p, int fmt, size_t n, float a, uint64_t seed) 
  * None changes what a kernel computes; each says what it saves.
  * ---------------------------------------------------------------------------------------------- */
 
+__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+/* Four 8x8 matrices of 16-bit elements from shared memory (lane l gives row l % 8 of matrix l / 8;
+ * a row is 16 bytes: 8 bf16, or 4 fp32 read as pairs), optionally transposed (16-bit elements only).
+ * Thread lane holds element (lane / 4, 2 (lane % 4)) and the next of each: of 4 fp32, (lane / 4, lane % 4). */
+template <bool TRANS> __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *p) {
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+/* The same, two matrices (lanes 0..15 give the rows). */
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void *p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)));
+}
+
 /* cp.async staging: a kernel copies its next inputs from global into shared memory while it computes
  * on the current ones (the scan: the next chunk of steps), so the loads overlap the math. */
 __device__ __forceinline__ void cp_async4(float *dst, const float *src) {
@@ -1239,7 +1257,8 @@ static int gated_norm_threads(int gsize) { return std::min(1024, (cdiv(gsize, 4)
  * SSD_ROWS channels of it), its warps each taking 16x8 output tiles of a product in turn; chunk
  * inputs past the last step are zeros (dt = 0 too, so they neither decay nor add). A chunk's inputs
  * come by cp.async, all of them in flight at once: loaded batch by batch, their round trips took most
- * of the scan's time (the math of a chunk is ~2 MFLOP a block). The state is read
+ * of the scan's time (the math of a chunk is ~2 MFLOP a block). Fragments of C, B, M and the state
+ * come by ldmatrix (a 16-byte row: 4 fp32), one instruction for what took four loads. The state is read
  * at the start and written back at the end: the next prompt chunk, or the decode's step-by-step scan,
  * continues from it. L = 64 keeps the chunk's B, C, M and the state within shared memory up to
  * N = 256. 32 channels a block, not a head's 64: two blocks an SM (at N = 128) hide more of every
@@ -1251,12 +1270,42 @@ enum { SSD_L = 64, SSD_ROWS = 32 };
  * to the magnitude's bits, the 13 below TF32's mantissa then ignored by the tensor cores. An integer add,
  * where the scan's ~6 conversions a product made cvt the bottleneck. */
 __device__ __forceinline__ uint32_t tf32(float x) { return __float_as_uint(x) + 0x1000u; }
+template <int n> __device__ __forceinline__ void tf32(uint32_t (&r)[n]) {
+#pragma unroll
+    for (int i = 0; i < n; i++) r[i] += 0x1000u;
+}
 
 /* d[16x8] += a[16x8] b[8x8], TF32 operands, fp32 accumulators */
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* acc[0] + acc[1] += A B^T over k < N for a 16 x 8 tile: A's 16 and B's 8 rows in shared memory, N
+ * long (16-byte aligned), read by ldmatrix and rounded to TF32; a and b this lane's row addresses (an
+ * A fragment's, see arow; B's row lane % 8 at column 4 (lane / 8)). Even and odd steps of 8 go to
+ * the two chains of products, to halve the wait. */
+template <int N> __device__ __forceinline__ void ssd_rows_dot(float (&acc)[2][4], const float *a, const float *b) {
+#pragma unroll 2
+    for (int k = 0; k < N; k += 16) {
+        uint32_t af[4], bf[4];
+        ldsm_x4<false>(af, a + k);
+        tf32(af);
+        if constexpr (N > 8) {   /* B's fragments of both steps in one load */
+            ldsm_x4<false>(bf, b + k);
+            tf32(bf);
+            mma_tf32(acc[0], af, bf[0], bf[1]);
+            ldsm_x4<false>(af, a + k + 8);
+            tf32(af);
+            mma_tf32(acc[1], af, bf[2], bf[3]);
+        } else {
+            uint32_t b2[2];
+            ldsm_x2(b2, b + k);
+            tf32(b2);
+            mma_tf32(acc[0], af, b2[0], b2[1]);
+        }
+    }
 }
 
 /* Shared memory of ssd_scan_kernel<N>, in floats: X [L][SSD_ROWS + 8], B and C [L][N + 4], M [L][L + 4],
@@ -1277,6 +1326,7 @@ __global__ void __launch_bounds__(512, 1) ssd_scan_kernel(const __grid_constant_
     float *dts = Ss + PB * LB, *cs = dts + L, *ws = cs + L;   /* dt_s; cs_s; w_s = exp(cs_{L-1} - cs_s) dt_s */
     int h = blockIdx.x, p0 = blockIdx.y * PB, g = h / (heads / groups), cv = d_inner + 2 * groups * N;
     int warp = threadIdx.x >> 5, nw = blockDim.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, c = lane & 3;
+    int arow = (lane & 7) + 8 * (lane >> 3 & 1), acol = 4 * (lane >> 4);   /* this lane's row address of an A fragment (ldsm_x4) */
     float a = sa.A[h], d = sa.D[h], bias = sa.dt_bias[h];
     pdl_wait();
     for (int i = threadIdx.x; i < PB * N; i += blockDim.x) {
@@ -1338,51 +1388,38 @@ __global__ void __launch_bounds__(512, 1) ssd_scan_kernel(const __grid_constant_
             while ((rt + 1) * (rt + 2) <= tile) rt++;
             int nt = tile - rt * (rt + 1);
             float acc[2][4] = {};
-            const float *ca = Cs + (rt * 16 + gr) * LB, *bb = Bs + (nt * 8 + gr) * LB;
-            auto step = [&](float (&d)[4], int k) {
-                uint32_t af[4] = {tf32(ca[k + c]), tf32(ca[8 * LB + k + c]), tf32(ca[k + c + 4]), tf32(ca[8 * LB + k + c + 4])};
-                mma_tf32(d, af, tf32(bb[k + c]), tf32(bb[k + c + 4]));
-            };
-#pragma unroll 2
-            for (int k = 0; k < N; k += 16) {   /* two chains of products, even and odd steps, to halve the wait */
-                step(acc[0], k);
-                if (N > 8) step(acc[1], k + 8);
-            }
+            const float *ca = Cs + (rt * 16 + arow) * LB + acol, *bb = Bs + (nt * 8 + (lane & 7)) * LB + 4 * (lane >> 3);
+            ssd_rows_dot<N>(acc, ca, bb);
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
+            for (int e = 0; e < 4; e++) {   /* stored as TF32 values: the next products read them as they are */
                 int t = rt * 16 + gr + (e >> 1) * 8, s = nt * 8 + 2 * c + (e & 1);
-                Ms[t * LM + s] = s <= t ? (acc[0][e] + acc[1][e]) * __expf(cs[t] - cs[s]) : 0.0f;
+                Ms[t * LM + s] = s <= t ? __uint_as_float(tf32((acc[0][e] + acc[1][e]) * __expf(cs[t] - cs[s])) & 0xFFFFE000u) : 0.0f;
             }
         }
         __syncthreads();
         /* y_t = M[t] (dt x) + (e^cs_t C_t) S0^T + D x_t: 16x8 tiles of [steps, channels] */
         for (int tile = warp; tile < (L / 16) * (PB / 8); tile += nw) {
             int rt = tile / (PB / 8), nt = tile % (PB / 8), t = rt * 16 + gr, p = nt * 8 + gr;
-            float acc[2][4] = {}, e0 = __expf(cs[t]), e1 = __expf(cs[t + 8]);
-            const float *ma = Ms + t * LM, *ca = Cs + t * LB, *sb = Ss + p * LB;
-            auto step_m = [&](float (&d)[4], int k) {
-                uint32_t af[4] = {tf32(ma[k + c]), tf32(ma[8 * LM + k + c]), tf32(ma[k + c + 4]), tf32(ma[8 * LM + k + c + 4])};
+            /* (e^cs_t C_t) S0^T as e^cs_t (C_t S0^T): C's rows as stored, the row's factor on the result */
+            float acc[2][4] = {}, sc[2][4] = {}, e0 = __expf(cs[t]), e1 = __expf(cs[t + 8]);
+            const float *ma = Ms + (rt * 16 + arow) * LM + acol, *ca = Cs + (rt * 16 + arow) * LB + acol;
+            const float *sb = Ss + (nt * 8 + (lane & 7)) * LB + 4 * (lane >> 3);
+            auto step_m = [&](float (&d)[4], int k) {   /* M is TF32 already */
+                uint32_t af[4];
+                ldsm_x4<false>(af, ma + k);
                 mma_tf32(d, af, tf32(Xs[(k + c) * LX + p] * dts[k + c]), tf32(Xs[(k + c + 4) * LX + p] * dts[k + c + 4]));
-            };
-            auto step_s = [&](float (&d)[4], int k) {
-                uint32_t af[4] = {tf32(ca[k + c] * e0), tf32(ca[8 * LB + k + c] * e1), tf32(ca[k + c + 4] * e0),
-                                  tf32(ca[8 * LB + k + c + 4] * e1)};
-                mma_tf32(d, af, tf32(sb[k + c]), tf32(sb[k + c + 4]));
             };
             for (int k = 0; k < rt * 16 + 16; k += 16) {   /* steps s <= the tile's last t */
                 step_m(acc[0], k);
                 step_m(acc[1], k + 8);
             }
-#pragma unroll 2
-            for (int k = 0; k < N; k += 16) {
-                step_s(acc[0], k);
-                if (N > 8) step_s(acc[1], k + 8);
-            }
+            ssd_rows_dot<N>(sc, ca, sb);
 #pragma unroll
             for (int e = 0; e < 4; e++) {
                 int tt = rt * 16 + gr + (e >> 1) * 8, pp = nt * 8 + 2 * c + (e & 1);
                 if (tt < len && p0 + pp < hdim)
-                    y[(size_t)(t0 + tt) * d_inner + h * hdim + p0 + pp] = acc[0][e] + acc[1][e] + d * Xs[tt * LX + pp];
+                    y[(size_t)(t0 + tt) * d_inner + h * hdim + p0 + pp] =
+                        acc[0][e] + acc[1][e] + (sc[0][e] + sc[1][e]) * (e < 2 ? e0 : e1) + d * Xs[tt * LX + pp];
             }
         }
         __syncthreads();   /* every read of S0 is done */
@@ -1603,18 +1640,6 @@ template <typename KT> struct PromptAttnArgs {
     int gl, T, pos;             /* query heads a kv head; the chunk's tokens and first position */
     float scale;                /* 1 / sqrt(head_dim) */
 };
-
-__device__ __forceinline__ unsigned smem_u32(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-
-/* Four 8x8 bf16 matrices from shared memory (lane l gives row l % 8 of matrix l / 8), optionally transposed. */
-template <bool TRANS> __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const bf16 *p) {
-    if (TRANS)
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-    else
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
-}
 
 /* d[16x8] += a[16x16] b[16x8], bf16 operands, fp32 accumulators */
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
