@@ -215,7 +215,7 @@ typedef struct {
     int kept_live;              /* the slot state equals (rewind copies nothing to it) */
 } GpuRank;
 
-enum { FUSED_BLOCKS = 1024, NORM_THREADS = 1024, NORM_PER = 8 };
+enum { FUSED_BLOCKS = 1024, NORM_THREADS = 1024, NORM_PER = 8, FUSED_PROMPT = 64 };
 
 /* Most tokens a forward runs as decode does while drafting (r->spec > 0), each token's rows computed as
  * a one-token step computes them, bit for bit: a speculative step verifies up to spec + 1 tokens, and so
@@ -353,16 +353,36 @@ __global__ void embed_kernel(float *res, const GMat emb, const int *tok, int H) 
     if (i < H) res[(size_t)t * H + i] = mat_elem(emb, tok[t], i);
 }
 
-/* The norm kernels below hold a row in registers, PER (at most NORM_PER) elements a thread (element
- * threadIdx.x + k * NORM_THREADS; hidden <= PER * NORM_THREADS), so its loads are all in flight
- * together: a norm costs a couple of memory round trips, not one per element. Tuned on H200: 1024
- * threads of 8 decode faster than 512 of 16. The elements past PER are zeros, which add nothing to
- * any sum: a row's result is the same, bit for bit, for every PER that holds it. */
+/* o[0..3] = (a, b, c, d): 16 bytes of fp32, or 8 of bf16, at once (o aligned to that) */
+__device__ __forceinline__ void store4(float *o, float a, float b, float c, float d) { *(float4 *)o = make_float4(a, b, c, d); }
+__device__ __forceinline__ void store4(bf16 *o, float a, float b, float c, float d) {
+    __nv_bfloat162 h[2] = {__floats2bfloat162_rn(a, b), __floats2bfloat162_rn(c, d)};
+    *(uint2 *)o = *(const uint2 *)h;
+}
+
+/* The norm kernels below hold a row in registers, PER (a multiple of 4, at most NORM_PER for
+ * NORM_THREADS threads) elements a thread, four consecutive ones a turn (element norm_at(k); hidden
+ * <= PER * blockDim, a multiple of 4), so its loads are all in flight together, 16 bytes each: a norm
+ * costs a couple of memory round trips, not one per element. Tuned on H200: 1024 threads of 8 decode
+ * faster than 512 of 16. The elements past PER are zeros, which add nothing to any sum: a row's
+ * result is the same, bit for bit, for every PER that holds it (with the same blockDim). */
+__device__ __forceinline__ int norm_at(int k) { return (threadIdx.x + (k >> 2) * blockDim.x) * 4 + (k & 3); }
+
+/* v[k] += row[norm_at(k)] (row 16-byte aligned, H a multiple of 4; zeros past H) */
+template <int PER> __device__ __forceinline__ void norm_add(float (&v)[PER], const float *row, int H) {
+#pragma unroll
+    for (int k = 0; k < PER; k += 4) {
+        int i = norm_at(k);
+        float4 q = i < H ? *(const float4 *)(row + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        v[k] += q.x, v[k + 1] += q.y, v[k + 2] += q.z, v[k + 3] += q.w;
+    }
+}
 
 /* This thread's part of the norm weight w (read before the wait, off the critical path). */
 template <int PER> __device__ __forceinline__ void norm_weight(float (&wv)[PER], const float *w, int H) {
 #pragma unroll
-    for (int k = 0; k < PER; k++) wv[k] = threadIdx.x + k * NORM_THREADS < H ? w[threadIdx.x + k * NORM_THREADS] : 0.0f;
+    for (int k = 0; k < PER; k++) wv[k] = 0.0f;
+    norm_add(wv, w, H);
 }
 
 /* Row t: x[t] = v * rsqrt(mean(v^2) + eps) * wv, where this thread holds its part of the row in v
@@ -373,14 +393,15 @@ __device__ __forceinline__ void norm_store(float *x, bf16 *x16, float *r, int ke
                                            const float (&wv)[PER], int H, float eps) {
     float scale = rsqrtf(block_sum(ss) / H + eps);
 #pragma unroll
-    for (int k = 0; k < PER; k++) {
-        int i = threadIdx.x + k * NORM_THREADS;
-        if (i < H) {
-            if (keep) r[i] = v[k];
-            float o = v[k] * scale * wv[k];
-            x[t * H + i] = o;
-            if (x16) x16[t * H + i] = __float2bfloat16(o);
-        }
+    for (int k = 0; k < PER; k += 4) {
+        int i = norm_at(k);
+        if (i >= H) continue;
+        float o[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) o[j] = v[k + j] * scale * wv[k + j];
+        if (keep) store4(r + i, v[k], v[k + 1], v[k + 2], v[k + 3]);
+        store4(x + t * H + i, o[0], o[1], o[2], o[3]);
+        if (x16) store4(x16 + t * H + i, o[0], o[1], o[2], o[3]);
     }
 }
 
@@ -390,11 +411,12 @@ __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, bf16 *x
     float wv[NORM_PER];
     norm_weight(wv, w, H);
     pdl_wait();
-    float *r = res + (size_t)blockIdx.x * H, v[NORM_PER], ss = 0;
+    float *r = res + (size_t)blockIdx.x * H, v[NORM_PER] = {}, a[NORM_PER] = {}, ss = 0;
+    norm_add(v, r, H);
+    if (add) norm_add(a, add + (size_t)blockIdx.x * H, H);
 #pragma unroll
     for (int k = 0; k < NORM_PER; k++) {
-        int i = threadIdx.x + k * NORM_THREADS;
-        v[k] = i < H ? r[i] + (add ? add[(size_t)blockIdx.x * H + i] : 0.0f) : 0.0f;
+        v[k] += a[k];
         ss += v[k] * v[k];
     }
     norm_store(x, x16, r, add != NULL, blockIdx.x, v, ss, wv, H, eps);
@@ -411,7 +433,7 @@ __global__ void __launch_bounds__(NORM_THREADS) mtp_in_kernel(float *eh, const G
     pdl_wait();
 #pragma unroll
     for (int k = 0; k < NORM_PER; k++) {
-        int i = threadIdx.x + k * NORM_THREADS;
+        int i = norm_at(k);
         v[k] = i >= H ? 0.0f : half ? x[(size_t)t * H + i] : mat_elem(emb, tok[t], i);
         ss += v[k] * v[k];
     }
@@ -436,8 +458,9 @@ typedef struct {
     float eps;
 } FusedArgs;
 
-template <int PER>
-__global__ void __launch_bounds__(NORM_THREADS, NORM_PER / PER) fused_allreduce_norm_kernel(const __grid_constant__ FusedArgs a) {
+template <int THREADS, int PER>
+__global__ void __launch_bounds__(THREADS, THREADS == NORM_THREADS ? NORM_PER / PER : PER <= 12 ? 4 : 3) fused_allreduce_norm_kernel(
+    const __grid_constant__ FusedArgs a) {
     const ncclDevComm &dev = a.dev;
     float *res = a.res;
     int T = a.T, H = a.hidden;
@@ -445,7 +468,7 @@ __global__ void __launch_bounds__(NORM_THREADS, NORM_PER / PER) fused_allreduce_
     int n = dev.lsaSize;
     for (int p = threadIdx.x; p < n; p += blockDim.x) peer[p] = (const float *)ncclGetLsaPointer(a.win, a.offset, p);
     float wv[PER];
-    norm_weight(wv, a.w, H);
+    if (THREADS == NORM_THREADS) norm_weight(wv, a.w, H);   /* a decoded step's: before the wait, off its critical path */
     pdl_wait();
     if (n > 1) {   /* alone, there is nobody to wait for: the barrier would be pure cost */
         ncclLsaBarrierSession<ncclCoopCta> bar(ncclCoopCta(), dev, ncclTeamLsa(dev), dev.lsaBarrier, blockIdx.x);
@@ -454,32 +477,32 @@ __global__ void __launch_bounds__(NORM_THREADS, NORM_PER / PER) fused_allreduce_
         __syncthreads();
     }
     for (int t = blockIdx.x; t < T; t += gridDim.x) {
-        float *r = res + (size_t)t * H, v[PER] = {}, rv[PER], ss = 0;
-#pragma unroll
-        for (int k = 0; k < PER; k++) rv[k] = threadIdx.x + k * NORM_THREADS < H ? r[threadIdx.x + k * NORM_THREADS] : 0.0f;
-        for (int p = 0; p < n; p++) {   /* rank order: identical on every rank; a rank's loads all in flight */
-            const float *src = peer[p] + (size_t)t * H;
-#pragma unroll
-            for (int k = 0; k < PER; k++) {
-                int i = threadIdx.x + k * NORM_THREADS;
-                if (i < H) v[k] += src[i];
-            }
-        }
+        float *r = res + (size_t)t * H, v[PER] = {}, rv[PER] = {}, ss = 0;
+        norm_add(rv, r, H);
+        for (int p = 0; p < n; p++) norm_add(v, peer[p] + (size_t)t * H, H);   /* rank order: identical on every rank */
 #pragma unroll
         for (int k = 0; k < PER; k++) {
             v[k] += rv[k];   /* res + (sum of the ranks), as ncclAllReduce then an add would give */
             ss += v[k] * v[k];
         }
+        if (THREADS != NORM_THREADS) norm_weight(wv, a.w, H);   /* a prompt's: here, fewer registers held, more blocks an SM */
         norm_store(a.x, a.x16, r, 1, t, v, ss, wv, H, a.eps);
     }
 }
 
-/* Launches the fused kernel on min(T, FUSED_BLOCKS) blocks: the same grid on every rank. Rows of at
- * most 4 * NORM_THREADS take half the registers, so two blocks share an SM: a prompt's rows are
- * latency-bound, a block's one after another, and this halves how many each SM waits on in turn. */
+/* Launches the fused kernel on min(T, FUSED_BLOCKS) blocks: the same grid on every rank (T and hidden
+ * are rank-invariant, and so is the choice of block). A prompt's rows are latency-bound, a block's one
+ * after another: up to 4096 channels they go to blocks of 256 threads, three or four an SM, so
+ * each SM has that many rows in flight, not the two of 1024-thread blocks;
+ * a decoded step's few rows keep 1024 threads, the row's loads spread over more of them. */
 static void fused_allreduce_norm(cudaStream_t stream, const FusedArgs &a) {
-    auto k = a.hidden <= 4 * NORM_THREADS ? fused_allreduce_norm_kernel<4> : fused_allreduce_norm_kernel<NORM_PER>;
-    LAUNCH(a.T < FUSED_BLOCKS ? a.T : FUSED_BLOCKS, NORM_THREADS, 0, stream, k, a);
+    auto k = a.hidden <= 4 * NORM_THREADS ? fused_allreduce_norm_kernel<NORM_THREADS, 4> : fused_allreduce_norm_kernel<NORM_THREADS, NORM_PER>;
+    int threads = NORM_THREADS;
+    if (a.T >= FUSED_PROMPT && a.hidden <= 4096) {
+        k = a.hidden <= 3072 ? fused_allreduce_norm_kernel<256, 12> : fused_allreduce_norm_kernel<256, 16>;
+        threads = 256;
+    }
+    LAUNCH(a.T < FUSED_BLOCKS ? a.T : FUSED_BLOCKS, threads, 0, stream, k, a);
 }
 
 /* out = bf16(f(in)), f(v) = v or (RELU2) relu(v)^2, a block a row: [T, cols] with row strides ldi,

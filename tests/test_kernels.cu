@@ -1711,7 +1711,7 @@ int main(int argc, char **argv) {
     test_matmul(DT_FP8, 9001, 304, 1, 0);     /* more rows than a wave of blocks holds, not a multiple of QROWS */
     test_matmul(DT_NVFP4, 9001, 304, 1, 1);
     test_norms(1000, 3);
-    test_norms(4099, 1);
+    test_norms(6008, 1);   /* the engine's hidden sizes are multiples of 8 */
     test_mtp_in(DT_BF16, DT_BF16, 1000, 1, 0, 1);
     test_mtp_in(DT_BF16, DT_BF16, 1000, 1, 3, 1);       /* a draft from the last row of a longer step */
     test_mtp_in(DT_F32, DT_F32, 520, 5, 2, 1);
@@ -1823,6 +1823,9 @@ int main(int argc, char **argv) {
     test_fused_norm(320, 7);      /* four elements a thread at most: two blocks an SM */
     test_fused_norm(4104, 3);     /* eight */
     test_fused_norm(4096, 1);
+    test_fused_norm(2696, 100);   /* a prompt's rows: blocks of 256 threads, twelve elements a thread */
+    test_fused_norm(4000, 70);    /* sixteen */
+    test_fused_norm(4104, 65);    /* past 4096: 1024 threads */
     for (int fmt : {DT_BF16, DT_F32, DT_FP8, DT_NVFP4}) test_engine(fmt, 4, 5);
     test_engine(DT_BF16, 8, 9);     /* rounds of GEMV_TOKENS */
     test_engine(DT_BF16, 3, 2);     /* fewer tokens than the step may verify */
