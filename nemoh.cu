@@ -1227,44 +1227,71 @@ static void ssm_scan(cudaStream_t stream, ScanArgs a, int N) {
 }
 
 /* u = y * silu(z), then RMSNorm over each group of gsize channels, times w, into out (fp32: y itself;
- * bf16: the input of a bf16 out_proj): one block per (t, group), its gsize <= GN_PER * blockDim
- * values held in registers (see gated_norm_threads), so the loads of y, z and w are all in flight
- * together. */
+ * bf16: the input of a bf16 out_proj): one block per (t, group), its gsize <= PER * blockDim values
+ * held in registers (see gated_norm), four consecutive channels a thread a turn (as
+ * the norms above), so the loads of y, z and w are all in flight together: 16 bytes each where every
+ * row starts 16-byte aligned, else one float at a time. */
 enum { GN_PER = 8 };
 
-template <typename OT>
-__global__ void __launch_bounds__(1024) gated_norm_kernel(OT *out, int ldo, const float *y, const float *z, int ldz, const float *w,
-                                                          int di, int gsize, float eps) {
-    int t = blockIdx.x / (di / gsize), g = blockIdx.x % (di / gsize);
-    float wv[GN_PER], u[GN_PER], ss = 0;
+/* v[k] = row[i + (k & 3)], i = (threadIdx.x + (k / 4) blockDim) 4 the k-th channel's turn (zeros from n) */
+template <int PER> __device__ __forceinline__ void gn_load(float (&v)[PER], const float *row, int n, bool vec) {
 #pragma unroll
-    for (int k = 0; k < GN_PER; k++) {
-        int i = threadIdx.x + k * blockDim.x;
-        wv[k] = i < gsize ? w[g * gsize + i] : 0.0f;
+    for (int k = 0; k < PER; k += 4) {
+        int i = (threadIdx.x + (k >> 2) * blockDim.x) * 4;
+        if (vec) {
+            float4 q = i < n ? *(const float4 *)(row + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            v[k] = q.x, v[k + 1] = q.y, v[k + 2] = q.z, v[k + 3] = q.w;
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++) v[k + j] = i + j < n ? row[i + j] : 0.0f;
+        }
     }
+}
+
+template <typename OT, int PER>
+__global__ void __launch_bounds__(1024, GN_PER / PER) gated_norm_kernel(OT *out, int ldo, const float *y, const float *z, int ldz,
+                                                                        const float *w, int di, int gsize, float eps) {
+    int t = blockIdx.x / (di / gsize), g = blockIdx.x % (di / gsize);
+    bool vec = ((gsize | ldz | ldo) % 4 == 0) && ((uintptr_t)y | (uintptr_t)z | (uintptr_t)w | (uintptr_t)out) % 16 == 0;
+    float wv[PER], u[PER], zv[PER], ss = 0;
+    gn_load(wv, w + g * gsize, gsize, vec);
     pdl_wait();
-    const float *yr = y + (size_t)t * di + g * gsize;
     OT *o = out + (size_t)t * ldo + g * gsize;
-    const float *zr = z + (size_t)t * ldz + g * gsize;
+    gn_load(u, y + (size_t)t * di + g * gsize, gsize, vec);
+    gn_load(zv, z + (size_t)t * ldz + g * gsize, gsize, vec);
 #pragma unroll
-    for (int k = 0; k < GN_PER; k++) {
-        int i = threadIdx.x + k * blockDim.x;
-        float zv = i < gsize ? zr[i] : 0.0f;
-        u[k] = i < gsize ? yr[i] * silu(zv) : 0.0f;
+    for (int k = 0; k < PER; k++) {
+        u[k] *= silu(zv[k]);
         ss += u[k] * u[k];
     }
     float scale = rsqrtf(block_sum(ss) / gsize + eps);
 #pragma unroll
-    for (int k = 0; k < GN_PER; k++) {
-        int i = threadIdx.x + k * blockDim.x;
-        if (i < gsize) o[i] = (OT)(u[k] * scale * wv[k]);
+    for (int k = 0; k < PER; k += 4) {
+        int i = (threadIdx.x + (k >> 2) * blockDim.x) * 4;
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) v[j] = u[k + j] * scale * wv[k + j];
+        if (vec && i < gsize) {
+            store4(o + i, v[0], v[1], v[2], v[3]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (i + j < gsize) o[i + j] = (OT)v[j];
+        }
     }
 }
 
-/* Threads for a gated norm group of gsize channels (at most GN_PER * 1024, checked at setup): four
- * channels a thread up to 4096, more blocks in flight than eight (nemotron-h-8b's prompt, H200: 4%
- * faster). */
-static int gated_norm_threads(int gsize) { return std::min(1024, (cdiv(gsize, 4) + 31) / 32 * 32); }
+/* The gated norm of T tokens' groups: four channels a thread up to 4096 a group, more blocks in
+ * flight than eight (nemotron-h-8b's prompt, H200: 4% faster), and then half the registers, so
+ * sixteen blocks of 128 threads (Nano's 512-channel groups) fit an SM; groups of up to GN_PER * 1024
+ * channels (checked at setup). */
+template <typename OT>
+static void gated_norm(cudaStream_t stream, OT *out, int ldo, const float *y, const float *z, int ldz, const float *w, int T, int di,
+                       int gsize, float eps) {
+    int threads = std::min(1024, (cdiv(gsize, 4) + 31) / 32 * 32);
+    LAUNCH(T * (di / gsize), threads, 0, stream, gsize <= 4 * 1024 ? gated_norm_kernel<OT, 4> : gated_norm_kernel<OT, GN_PER>, out, ldo,
+           y, z, ldz, w, di, gsize, eps);
+}
 
 /* ------------------------------------------------------------------------------------------------
  * Kernels: the prompt's Mamba2 scan as the chunked state-space-duality (SSD) algorithm
@@ -3193,14 +3220,13 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     else ssm_scan(g->stream, sa, N);
     GroupScale gs = {g->gss, s->m_heads / s->groups * scan_blocks(c->m_hdim, N), gsize, c->eps,
                      (size_t)s->m_heads * scan_blocks(c->m_hdim, N)};
-    dim3 gn_grid(T * s->groups), gn_block(gated_norm_threads(gsize));
     if (!dec && lowp(&L->out)) {   /* a bf16 prompt: the gated norm writes out_proj's bf16 input itself */
-        LAUNCH(gn_grid, gn_block, 0, g->stream, gated_norm_kernel<bf16>, g->act16, g->act_w, g->y, g->proj, in, L->gnorm, di, gsize, c->eps);
+        gated_norm(g->stream, g->act16, g->act_w, g->y, g->proj, in, L->gnorm, T, di, gsize, c->eps);
         gemm(g, pend_out(r), H, g->act16, g->act_w, T, &L->out);
         return;
     }
     if (!fold) {
-        LAUNCH(gn_grid, gn_block, 0, g->stream, gated_norm_kernel<float>, g->y, di, g->y, g->proj, in, L->gnorm, di, gsize, c->eps);
+        gated_norm(g->stream, g->y, di, g->y, g->proj, in, L->gnorm, T, di, gsize, c->eps);
     }
     matmul(g, pend_out(r), H, g->y, di, T, &L->out, fold ? EPI_GNORM : EPI_NONE, next_product(g, c, l), &gs);
 }

@@ -395,8 +395,8 @@ static ScanArgs scan_args(float *y, float *ssm, const float *xbc, const float *p
 /* ---- Mamba2: conv + state, the selective scan + state, the gated group norm, over several calls; at a
  * single step whose groups are whole 16-byte pieces, the gated norm as decode folds it: the scan gates
  * and out_proj (a random one here, 37 x di) scales the groups (EPI_GNORM) ---- */
-static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> steps, int fmt = DT_BF16) {
-    int di = heads * hdim, cv = di + 2 * groups * N, in = di + cv + heads + 3;   /* proj rows: z | xBC | dt, then padding */
+static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> steps, int fmt = DT_BF16, int pad = 3) {
+    int di = heads * hdim, cv = di + 2 * groups * N, in = di + cv + heads + pad;   /* proj rows: z | xBC | dt, then padding */
     std::vector<float> cw = rand_vec((size_t)cv * 4, 0.5f), cb = rand_vec(cv, 0.2f), A(heads), D = rand_vec(heads), dtb(heads),
         gw = rand_vec(di);
     for (int h = 0; h < heads; h++) { A[h] = -(1.0f + 15.0f * (uni() + 1) / 2); dtb[h] = h % 3 ? -3.0f + uni() : -12.0f; }
@@ -431,8 +431,8 @@ static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> 
         if (fold) {
             matmul(&gr, d_out, rows, d_y, di, 1, &Wo, EPI_GNORM, nullptr, &gsc);
         } else {   /* into bf16 (a bf16 model's prompt), then in place in fp32 */
-            LAUNCH(T * groups, gated_norm_threads(gs), 0, 0, gated_norm_kernel<bf16>, d_u16, di, d_y, d_proj, in, d_gw, di, gs, 1e-5f);
-            LAUNCH(T * groups, gated_norm_threads(gs), 0, 0, gated_norm_kernel<float>, d_y, di, d_y, d_proj, in, d_gw, di, gs, 1e-5f);
+            gated_norm(0, d_u16, di, d_y, d_proj, in, d_gw, T, di, gs, 1e-5f);
+            gated_norm(0, d_y, di, d_y, d_proj, in, d_gw, T, di, gs, 1e-5f);
         }
         /* host, float64: the same steps as nemoh.c's cpu_mamba */
         std::vector<double> xbc((size_t)T * cv), u((size_t)T * di);
@@ -1722,6 +1722,9 @@ int main(int argc, char **argv) {
     test_mamba(6, 10, 2, 16, {5, 1, 37});
     test_mamba(4, 6, 1, 8, {1, 2, 1});
     test_mamba(8, 64, 4, 128, {3, 1});
+    test_mamba(8, 64, 4, 128, {3}, DT_BF16, 8);   /* proj rows 16-byte aligned: the gated norm's 16-byte loads */
+    test_mamba(24, 64, 1, 64, {2}, DT_BF16, 8);   /* a group of 1536 channels */
+    test_mamba(80, 64, 1, 16, {2}, DT_BF16, 8);   /* 5120: eight channels a thread */
     test_mamba(4, 12, 2, 256, {20, 1});
     test_mamba(2, 80, 1, 128, {40, 1});   /* P = 80: rows of one head across blocks */
     test_mamba(32, 64, 1, 64, {2, 1});    /* one group of 2048 channels for the gated norm */
