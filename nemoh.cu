@@ -2525,18 +2525,34 @@ __global__ void __launch_bounds__(1024) moe_sort_kernel(int *off, int *tile, int
 }
 
 /* out[t] = (add ? out[t] : 0) + sum over slots k of wt[t][k] y[row_of[t K + k]], the slots in order
- * (y: fp32, or bf16 as a bf16 model's down product writes it). */
-template <typename YT>
+ * (y: fp32, or bf16 as a bf16 model's down product writes it); V columns a thread: 16 bytes of each
+ * row at once where the rows allow (V = 16 / sizeof(YT)), else 1. */
+template <typename YT, int V>
 __global__ void moe_combine_kernel(float *out, int ldo, int add, const YT *y, int ldy, const int *row_of, const float *wt,
                                    int K, int cols) {
+    struct alignas(V * sizeof(YT)) Piece { YT v[V]; };
     pdl_wait();
-    int t = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    int t = blockIdx.y, i = (blockIdx.x * blockDim.x + threadIdx.x) * V;
     if (i >= cols) return;
-    float acc = 0;
+    float acc[V] = {};
 #pragma unroll 4   /* four rows' loads in flight at once, not one round trip after another */
-    for (int k = 0; k < K; k++) acc += wt[(size_t)t * K + k] * (float)y[(size_t)row_of[(size_t)t * K + k] * ldy + i];
+    for (int k = 0; k < K; k++) {
+        float w = wt[(size_t)t * K + k];
+        Piece p = *(const Piece *)(y + (size_t)row_of[(size_t)t * K + k] * ldy + i);
+#pragma unroll
+        for (int j = 0; j < V; j++) acc[j] += w * (float)p.v[j];
+    }
     float *o = out + (size_t)t * ldo + i;
-    *o = add ? *o + acc : acc;
+    if constexpr (V == 1) {
+        *o = add ? *o + acc[0] : acc[0];
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; j += 4) {
+            float4 b = add ? *(const float4 *)(o + j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            store4(o + j, add ? b.x + acc[j] : acc[j], add ? b.y + acc[j + 1] : acc[j + 1], add ? b.z + acc[j + 2] : acc[j + 2],
+                   add ? b.w + acc[j + 3] : acc[j + 3]);
+        }
+    }
 }
 
 /* A 16-byte piece of a quantized row (FP8: 16 elements, NVFP4: 32 with their two block scales bs) as
@@ -3316,8 +3332,11 @@ static void moe_choose(GpuRank *g, const GLayer *L, const MoeShape *ms, MoeRoute
 
 /* The routed sum of a prompt's pairs y (fp32, or bf16) in token order: added to out, or the latent sum. */
 template <typename YT> static void moe_combine(GpuRank *g, const MoeShape *ms, int T, const YT *y, float *out) {
-    LAUNCH(dim3(cdiv(ms->d, 256), T), 256, 0, g->stream, moe_combine_kernel<YT>, ms->lat ? g->moe_ylat : out, ms->d, ms->lat ? 0 : 1, y, ms->d,
-           (const int *)g->moe_row, (const float *)g->moe_w, ms->K, ms->d);
+    constexpr int V = 16 / sizeof(YT);
+    float *o = ms->lat ? g->moe_ylat : out;
+    int vec = ms->d % V == 0 && ((uintptr_t)o | (uintptr_t)y) % 16 == 0;
+    LAUNCH(dim3(cdiv(ms->d, 128 * (vec ? V : 1)), T), 128, 0, g->stream, vec ? moe_combine_kernel<YT, V> : moe_combine_kernel<YT, 1>, o,
+           ms->d, ms->lat ? 0 : 1, y, ms->d, (const int *)g->moe_row, (const float *)g->moe_w, ms->K, ms->d);
 }
 
 /* The expert kernels for a format class, NT tokens a round. */
