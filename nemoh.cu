@@ -492,9 +492,9 @@ __global__ void __launch_bounds__(THREADS, THREADS == NORM_THREADS ? NORM_PER / 
 
 /* Launches the fused kernel on min(T, FUSED_BLOCKS) blocks: the same grid on every rank (T and hidden
  * are rank-invariant, and so is the choice of block). A prompt's rows are latency-bound, a block's one
- * after another: up to 4096 channels they go to blocks of 256 threads, three or four an SM, so
- * each SM has that many rows in flight, not the two of 1024-thread blocks;
- * a decoded step's few rows keep 1024 threads, the row's loads spread over more of them. */
+ * after another: up to 4096 channels they go to blocks of 256 threads, three or four an SM, so each
+ * SM has that many rows in flight, not the two of 1024-thread blocks. A decoded step's few rows keep
+ * 1024 threads, a row's loads spread over more of them. */
 static void fused_allreduce_norm(cudaStream_t stream, const FusedArgs &a) {
     auto k = a.hidden <= 4 * NORM_THREADS ? fused_allreduce_norm_kernel<NORM_THREADS, 4> : fused_allreduce_norm_kernel<NORM_THREADS, NORM_PER>;
     int threads = NORM_THREADS;
@@ -1228,12 +1228,13 @@ static void ssm_scan(cudaStream_t stream, ScanArgs a, int N) {
 
 /* u = y * silu(z), then RMSNorm over each group of gsize channels, times w, into out (fp32: y itself;
  * bf16: the input of a bf16 out_proj): one block per (t, group), its gsize <= PER * blockDim values
- * held in registers (see gated_norm), four consecutive channels a thread a turn (as
- * the norms above), so the loads of y, z and w are all in flight together: 16 bytes each where every
- * row starts 16-byte aligned, else one float at a time. */
+ * held in registers (see gated_norm), four consecutive channels a thread a turn (as the norms above),
+ * so the loads of y, z and w are all in flight together: 16 bytes each where every row starts
+ * 16-byte aligned, else one float at a time. */
 enum { GN_PER = 8 };
 
-/* v[k] = row[i + (k & 3)], i = (threadIdx.x + (k / 4) blockDim) 4 the k-th channel's turn (zeros from n) */
+/* v[k] = row[i + (k & 3)], i = 4 (threadIdx.x + (k / 4) blockDim): the thread's four channels of turn
+ * k / 4 (zeros from n on), by float4 where vec */
 template <int PER> __device__ __forceinline__ void gn_load(float (&v)[PER], const float *row, int n, bool vec) {
 #pragma unroll
     for (int k = 0; k < PER; k += 4) {
