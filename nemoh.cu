@@ -411,14 +411,11 @@ __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, bf16 *x
     float wv[NORM_PER];
     norm_weight(wv, w, H);
     pdl_wait();
-    float *r = res + (size_t)blockIdx.x * H, v[NORM_PER] = {}, a[NORM_PER] = {}, ss = 0;
+    float *r = res + (size_t)blockIdx.x * H, v[NORM_PER] = {}, ss = 0;
     norm_add(v, r, H);
-    if (add) norm_add(a, add + (size_t)blockIdx.x * H, H);
+    if (add) norm_add(v, add + (size_t)blockIdx.x * H, H);
 #pragma unroll
-    for (int k = 0; k < NORM_PER; k++) {
-        v[k] += a[k];
-        ss += v[k] * v[k];
-    }
+    for (int k = 0; k < NORM_PER; k++) ss += v[k] * v[k];
     norm_store(x, x16, r, add != NULL, blockIdx.x, v, ss, wv, H, eps);
 }
 
@@ -2549,9 +2546,11 @@ __global__ void moe_combine_kernel(float *out, int ldo, int add, const YT *y, in
     } else {
 #pragma unroll
         for (int j = 0; j < V; j += 4) {
-            float4 b = add ? *(const float4 *)(o + j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            store4(o + j, add ? b.x + acc[j] : acc[j], add ? b.y + acc[j + 1] : acc[j + 1], add ? b.z + acc[j + 2] : acc[j + 2],
-                   add ? b.w + acc[j + 3] : acc[j + 3]);
+            if (add) {
+                float4 b = *(const float4 *)(o + j);
+                acc[j] += b.x, acc[j + 1] += b.y, acc[j + 2] += b.z, acc[j + 3] += b.w;
+            }
+            store4(o + j, acc[j], acc[j + 1], acc[j + 2], acc[j + 3]);
         }
     }
 }
