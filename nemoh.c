@@ -237,19 +237,30 @@ static float fp8_tab[256];
 static void fp8_tab_fill(void) { for (int b = 0; b < 256; b++) fp8_tab[b] = e4m3_to_f32((uint8_t)b); }
 static pthread_once_t fp8_once = PTHREAD_ONCE_INIT;
 
-/* acc[t][j] += W[i][k + j] * x[t][k + j] over k = 0, 16, .. < n16, j < 16, t < NT: each group of 16
- * weights dequantized once (as mat_at() does) for NT tokens. Inlined for each NT, so the compiler
- * keeps the lanes in registers and vectorises. */
+/* acc[t][j] = sum W[i][k + j] * x[t][k + j] over k = 0, 16, .. < n16, j < 16, t < NT: each group of 16
+ * weights dequantized once (as mat_at() does) for NT tokens, dotted in 16 lanes. Compiled once for
+ * each NT (dot_groups1..4, not inlined) and each format, the lanes of each in arrays of 8 of its own:
+ * so gcc keeps them in registers. With one [4][16] array for every format, inlined into dot_rows,
+ * it kept them on the stack, a store and a load a group: 4 tokens of an 8192 x 384 bf16 product took
+ * 790 us on one core of the 2-core Xeon, 530 us now (1 token: 300 us either way). */
 #define DOT_GROUPS(LOAD)                                                                          \
-    for (int k = 0; k < n16; k += 16) {                                                           \
-        float w[16];                                                                              \
-        LOAD;                                                                                     \
-        for (int t = 0; t < NT; t++)                                                              \
-            for (int j = 0; j < 16; j++) a[t][j] += w[j] * x[(size_t)t * ldx + k + j];            \
+    {                                                                                             \
+        float lo[4][8] = {{0}}, hi[4][8] = {{0}};                                                 \
+        for (int k = 0; k < n16; k += 16) {                                                       \
+            float w[16];                                                                          \
+            LOAD;                                                                                 \
+            for (int t = 0; t < NT; t++) {                                                        \
+                for (int j = 0; j < 8; j++) lo[t][j] += w[j] * x[(size_t)t * ldx + k + j];        \
+                for (int j = 0; j < 8; j++) hi[t][j] += w[8 + j] * x[(size_t)t * ldx + k + 8 + j]; \
+            }                                                                                     \
+        }                                                                                         \
+        for (int t = 0; t < 4; t++) {                                                             \
+            memcpy(acc[t], lo[t], sizeof lo[t]);                                                  \
+            memcpy(acc[t] + 8, hi[t], sizeof hi[t]);                                              \
+        }                                                                                         \
     }
 static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_t i, const float *restrict x, size_t ldx, int n16,
                                                              const int NT, float acc[4][16]) {
-    float a[4][16] = {{0}};   /* in registers: acc might alias x */
     if (W->dtype == DT_F32) {
         const float *p = (const float *)W->data + i * W->ld;
         DOT_GROUPS(memcpy(w, p + k, sizeof w))
@@ -264,14 +275,23 @@ static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_
         DOT_GROUPS(float sc = nvfp4_block_scale(W, i, (size_t)k);
                    for (int j = 0; j < 16; j++) w[j] = e2m1_to_f32(p[k / 2 + j / 2] >> 4 * (j & 1)) * sc)
     }
-    memcpy(acc, a, sizeof a);
 }
 #undef DOT_GROUPS
+#define DOT_GROUPS_NT(NT)                                                                                               \
+    static __attribute__((noinline)) void dot_groups##NT(const Mat *W, size_t i, const float *x, size_t ldx, int n16, \
+                                                         float acc[4][16]) {                                          \
+        dot_groups(W, i, x, ldx, n16, NT, acc);                                                                        \
+    }
+DOT_GROUPS_NT(1)
+DOT_GROUPS_NT(2)
+DOT_GROUPS_NT(3)
+DOT_GROUPS_NT(4)
+#undef DOT_GROUPS_NT
 
 /* out[t * ldo] = row i of W dotted with x[t * ldx], for t < T: sum_k W[i][k] * x[t][k] in fp32, in 16
  * lanes (dot_groups), then the tail, then the lanes in order: the same sums for every T, so a
  * drafting step's verify forward gives each token what a forward of its own would. Tokens go 4 at a
- * time, which costs little more than 1. F16 goes element by element. */
+ * time (the weights read once for them). F16 goes element by element. */
 static void dot_rows(const Mat *W, int i, const float *x, size_t ldx, int T, float *out, size_t ldo) {
     int n = W->cols, n16 = W->dtype == DT_F16 ? 0 : W->dtype == DT_NVFP4 ? n : n - n % 16;
     if (W->dtype == DT_FP8) pthread_once(&fp8_once, fp8_tab_fill);
@@ -279,10 +299,10 @@ static void dot_rows(const Mat *W, int i, const float *x, size_t ldx, int T, flo
         int nt = T - t0 < 4 ? T - t0 : 4;
         float acc[4][16] = {{0}};
         const float *xt = x + (size_t)t0 * ldx;
-        if (nt == 1) dot_groups(W, (size_t)i, xt, ldx, n16, 1, acc);
-        else if (nt == 2) dot_groups(W, (size_t)i, xt, ldx, n16, 2, acc);
-        else if (nt == 3) dot_groups(W, (size_t)i, xt, ldx, n16, 3, acc);
-        else dot_groups(W, (size_t)i, xt, ldx, n16, 4, acc);
+        if (nt == 1) dot_groups1(W, (size_t)i, xt, ldx, n16, acc);
+        else if (nt == 2) dot_groups2(W, (size_t)i, xt, ldx, n16, acc);
+        else if (nt == 3) dot_groups3(W, (size_t)i, xt, ldx, n16, acc);
+        else dot_groups4(W, (size_t)i, xt, ldx, n16, acc);
         for (int t = 0; t < nt; t++) {
             float s = 0;
             for (int k = n16; k < n; k++) s += mat_at(W, (size_t)i, (size_t)k) * xt[(size_t)t * ldx + k];
@@ -1044,7 +1064,8 @@ typedef struct {
 
 /* Drafts a step when the model has an MTP block and --mtp is not given: none. On the default model
  * (its trained block, acceptance length 2.7 at 3 drafts) drafting measured slower on both backends:
- * 639 against 944 tok/s on the 2-core CPU, 6,053 against 9,119 on one H200 (bench/RESULTS.md). */
+ * at best 926 (2 drafts) against 1,045 tok/s on the 2-core CPU, 6,053 (3 drafts) against 9,119 on one
+ * H200 (bench/RESULTS.md). */
 enum { MTP_DEFAULT = 0 };
 
 static void *tok_grow(void *p, size_t *cap, size_t need, size_t size);
