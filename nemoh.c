@@ -242,7 +242,8 @@ static pthread_once_t fp8_once = PTHREAD_ONCE_INIT;
  * each NT (dot_groups1..4, not inlined) and each format, the lanes of each in arrays of 8 of its own:
  * so gcc keeps them in registers. With one [4][16] array for every format, inlined into dot_rows,
  * it kept them on the stack, a store and a load a group: 4 tokens of an 8192 x 384 bf16 product took
- * 790 us on one core of the 2-core Xeon, 530 us now (1 token: 300 us either way). */
+ * 760 to 800 us on one core of the 2-core Xeon, 550 us now (1 token: 300 us either way;
+ * bench/cpu_matmul.c). */
 #define DOT_GROUPS(LOAD)                                                                          \
     {                                                                                             \
         float lo[4][8] = {{0}}, hi[4][8] = {{0}};                                                 \
