@@ -5,13 +5,6 @@
  *   OMP_NUM_THREADS=1 build/bench_cpu_matmul */
 #define NEMOH_NO_MAIN
 #include "../nemoh.c"
-#include <time.h>
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 int main(void) {
     int R = 8192, C = 384;
@@ -23,9 +16,9 @@ int main(void) {
     for (int T = 1; T <= 4; T += 3) {
         double best = 1e9;
         for (int rep = 0; rep < 200; rep++) {
-            double t0 = now();
+            double t0 = now_s();
             matmul(out, R, x, C, T, &W);
-            best = fmin(best, now() - t0);
+            best = fmin(best, now_s() - t0);
         }
         printf("%d token%s: %.1f us, %.1f GFLOP/s\n", T, T > 1 ? "s" : "", best * 1e6, 2.0 * R * C * T / best / 1e9);
     }
