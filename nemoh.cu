@@ -1230,12 +1230,11 @@ static void ssm_scan(cudaStream_t stream, ScanArgs a, int N) {
  * 16-byte aligned, else one float at a time. */
 enum { GN_PER = 8 };
 
-/* v[k] = row[i + (k & 3)], i = 4 (threadIdx.x + (k / 4) blockDim): the thread's four channels of turn
- * k / 4 (zeros from n on), by float4 where vec */
+/* v[k] = row[norm_at(k)]: the thread's four channels of turn k / 4 (zeros from n on), by float4 where vec */
 template <int PER> __device__ __forceinline__ void gn_load(float (&v)[PER], const float *row, int n, bool vec) {
 #pragma unroll
     for (int k = 0; k < PER; k += 4) {
-        int i = (threadIdx.x + (k >> 2) * blockDim.x) * 4;
+        int i = norm_at(k);
         if (vec) {
             float4 q = i < n ? *(const float4 *)(row + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             v[k] = q.x, v[k + 1] = q.y, v[k + 2] = q.z, v[k + 3] = q.w;
@@ -1265,7 +1264,7 @@ __global__ void __launch_bounds__(1024, GN_PER / PER) gated_norm_kernel(OT *out,
     float scale = rsqrtf(block_sum(ss) / gsize + eps);
 #pragma unroll
     for (int k = 0; k < PER; k += 4) {
-        int i = (threadIdx.x + (k >> 2) * blockDim.x) * 4;
+        int i = norm_at(k);
         float v[4];
 #pragma unroll
         for (int j = 0; j < 4; j++) v[j] = u[k + j] * scale * wv[k + j];
