@@ -320,8 +320,107 @@ static float dot_row(const Mat *W, int i, const float *x) {
     return s;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#define NEMOH_AMX
+/* AMX, the tile unit of Intel Xeons since Sapphire Rapids, for bf16 products (a build with
+ * -march=native on such a machine). dot_rows pays arithmetic for every token: 4 tokens of the
+ * default model's lm_head cost 1.8 times one. One tile instruction does 16 rows x 32 columns for 16
+ * outputs, so a product of 5 tokens costs what one token's does, the weights' bytes: a drafting
+ * step's verify forward and a prompt get cheap. The unit multiplies bf16 by bf16 only, so each x is
+ * split exactly into three bf16 parts, x = hi + mid + lo (fp32's 24 mantissa bits, 8 each, by
+ * truncation; parts below fp32's normal range flush to 0): each product of a bf16 weight and a part is
+ * exact in fp32 and the unit adds them in fp32, so the sum is dot_rows' fp32 product summed in another
+ * order, the same for every T. */
+#define AMX_TOK 5               /* tokens one tile of x holds: 16 columns, 3 parts each */
+#define AMX_PACK (1 << 19)      /* uint16 a thread packs x into: 16 * K for every AMX_TOK tokens */
+
+typedef struct {                /* ldtilecfg's 64 bytes (palette 1) */
+    uint8_t palette, start_row, pad[14];
+    uint16_t colsb[16];         /* bytes of a row of each tile */
+    uint8_t rows[16];           /* rows of each tile */
+} AmxTiles;
+
+static _Thread_local uint16_t amx_x[AMX_PACK];   /* [groups][K32 / 32][16 pairs][16 columns * 2] parts of x */
+static int amx_granted;                          /* Linux gave this process the tile registers */
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+/* Linux gives a process the tiles' 8 KB of state only when asked: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) */
+static void amx_ask(void) { amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+static int amx_fits(const Mat *W) {
+    pthread_once(&amx_once, amx_ask);
+    return amx_granted && W->dtype == DT_BF16 && W->rows >= 16 && W->cols >= 32 && (size_t)(W->cols - W->cols % 32) * 16 <= AMX_PACK;
+}
+
+/* x = hi + mid + lo: hi = x's top 16 bits, mid = the top 16 bits of x - hi, lo = the rest (exact). Token t
+ * of a group is column t of hi, 5 + t of mid, 10 + t of lo; a tile row holds the pair of columns k, k + 1. */
+static void amx_pack(const float *x, size_t ldx, int T, int K32) {
+    memset(amx_x, 0, (size_t)(T + AMX_TOK - 1) / AMX_TOK * K32 * 16 * sizeof *amx_x);
+    for (int t = 0; t < T; t++)
+        for (int k = 0; k < K32; k++) {
+            float v = x[(size_t)t * ldx + k], hi, mid, lo;
+            uint32_t u;
+            memcpy(&u, &v, 4), u &= 0xFFFF0000u, memcpy(&hi, &u, 4);
+            v -= hi;
+            memcpy(&u, &v, 4), u &= 0xFFFF0000u, memcpy(&mid, &u, 4);
+            lo = v - mid;
+            uint16_t *p = amx_x + (size_t)(t / AMX_TOK) * K32 * 16 + (size_t)k / 32 * 512 + k % 32 / 2 * 32 + k % 2 + t % AMX_TOK * 2;
+            float part[3] = {hi, mid, lo};
+            for (int j = 0; j < 3; j++) memcpy(&u, &part[j], 4), p[j * 2 * AMX_TOK] = (uint16_t)(u >> 16);
+        }
+}
+
+/* matmul() on the tile unit: rows 16 at a time, tokens AMX_TOK at a time, the last rows % 16 by dot_rows. */
+static void matmul_amx(float *out, int ldo, const float *x, int ldx, int T, const Mat *W) {
+    int K = W->cols, K32 = K - K % 32, R16 = W->rows - W->rows % 16, chunk = AMX_PACK / (K32 * 16) * AMX_TOK;
+    const uint16_t *w = W->data;
+    AmxTiles cfg = {.palette = 1};
+    for (int j = 0; j < 3; j++) cfg.rows[j] = 16, cfg.colsb[j] = 64;   /* 0: 16 rows of W x 32 columns (bf16);
+        1: x's same 32 columns, 16 pairs x 16 columns; 2: the sums, 16 rows x 16 columns (fp32) */
+    for (int t0 = 0; t0 < T; t0 += chunk) {
+        int nt = T - t0 < chunk ? T - t0 : chunk;
+        const float *xt = x + (size_t)t0 * ldx;
+        float *ot = out + (size_t)t0 * ldo;
+#pragma omp parallel num_threads(cpu_threads)
+        {
+            amx_pack(xt, (size_t)ldx, nt, K32);
+            _tile_loadconfig(&cfg);
+#pragma omp for schedule(static)
+            for (int i = 0; i < R16; i += 16)
+                for (int g = 0; g * AMX_TOK < nt; g++) {
+                    float c[16][16];
+                    _tile_zero(2);
+                    for (int k = 0; k < K32; k += 32) {
+                        _tile_loadd(0, w + (size_t)i * W->ld + k, (long)W->ld * 2);
+                        _tile_loadd(1, amx_x + (size_t)g * K32 * 16 + (size_t)k * 16, 64);
+                        _tile_dpbf16ps(2, 0, 1);
+                    }
+                    _tile_stored(2, c, 64);
+                    for (int m = 0; m < 16; m++)
+                        for (int t = g * AMX_TOK; t < nt && t < (g + 1) * AMX_TOK; t++) {
+                            int j = t % AMX_TOK;
+                            float s = c[m][2 * AMX_TOK + j] + c[m][AMX_TOK + j] + c[m][j];
+                            for (int k = K32; k < K; k++) s += bf16_to_f32(w[(size_t)(i + m) * W->ld + k]) * xt[(size_t)t * ldx + k];
+                            ot[(size_t)t * ldo + i + m] = s;
+                        }
+                }
+            _tile_release();
+#pragma omp for schedule(static)
+            for (int i = R16; i < W->rows; i++) dot_rows(W, i, xt, (size_t)ldx, nt, ot + i, (size_t)ldo);
+        }
+    }
+}
+#endif
+
 /* out[t][i] = sum_k W[i][k] * x[t][k] for T rows of x; the rows of W split over the rank's threads. */
 static void matmul(float *out, int ldo, const float *x, int ldx, int T, const Mat *W) {
+#ifdef NEMOH_AMX
+    if (amx_fits(W)) {
+        matmul_amx(out, ldo, x, ldx, T, W);
+        return;
+    }
+#endif
 #pragma omp parallel for num_threads(cpu_threads) schedule(static)
     for (int i = 0; i < W->rows; i++) dot_rows(W, i, x, (size_t)ldx, T, out + i, (size_t)ldo);
 }

@@ -1,0 +1,110 @@
+/* test_matmul: nemoh's CPU matrix product (matmul: dot_rows, and bf16 on Intel's tile unit where the
+ * build has it) against a float64 reference written apart from it, for every stored format, at
+ * awkward sizes: rows not a multiple of 16, columns not a multiple of 32, row strides past the
+ * columns, 1 to 13 tokens, and a product long enough that its tokens are packed in several chunks.
+ * Three checks a case:
+ *   - each sum within 4 K 2^-24 sum_k |w x| of float64's (fp32 summation's bound, with room);
+ *   - T tokens at once give each token, bit for bit, what it gets alone (a drafting step's verify
+ *     forward relies on it);
+ *   - with one weight of 1 a row, every output equals its x exactly (x with all 24 mantissa bits:
+ *     a product that drops any part of x fails).
+ * Runs on two threads. Prints which path bf16 took, then "N passed, M failed". */
+#define NEMOH_NO_MAIN
+#include "../nemoh.c"
+
+static uint64_t seed = 1;
+static double uni(void) { seed++; return coin(seed, seed * 7919u); }   /* [0, 1) */
+
+/* A rows x cols matrix of format dtype with row stride ld (elements); onehot: w[i][i % cols] = 1, else 0. */
+static Mat make(int dtype, int rows, int cols, size_t ld, int onehot, void **buf, uint8_t **bs) {
+    size_t n = (size_t)rows * ld, bytes = dtype == DT_F32 ? 4 * n : dtype == DT_NVFP4 ? n / 2 : dtype == DT_FP8 ? n : 2 * n;
+    uint8_t *p = xcalloc(bytes + 1, 1);
+    Mat W = {.data = p, .dtype = dtype, .rows = rows, .cols = cols, .ld = ld, .scale = 1};
+    *bs = NULL;
+    if (dtype == DT_NVFP4) {
+        W.bld = ld / 16;
+        *bs = xmalloc((size_t)rows * W.bld);
+        for (size_t i = 0; i < (size_t)rows * W.bld; i++) (*bs)[i] = onehot ? 0x38 : (uint8_t)(0x30 + uni() * 16);   /* e4m3 1.0; 0.5 .. 1.9 */
+        W.bs = *bs;
+    }
+    if (!onehot && (dtype == DT_FP8 || dtype == DT_NVFP4)) W.scale = 0.37f;
+    for (int i = 0; i < rows; i++)
+        for (int k = 0; k < cols; k++) {
+            size_t e = (size_t)i * ld + k;
+            int one = onehot && k == i % cols, zero = onehot && !one;
+            float f = zero ? 0 : one ? 1 : (float)(uni() * 2 - 1);
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            if (dtype == DT_F32) memcpy(p + 4 * e, &f, 4);
+            else if (dtype == DT_BF16) { uint16_t h = (uint16_t)(u >> 16); memcpy(p + 2 * e, &h, 2); }
+            else if (dtype == DT_F16) { uint16_t h = zero ? 0 : one ? 0x3C00 : (uint16_t)(uni() * 0x7800) | (uni() < 0.5 ? 0x8000 : 0); memcpy(p + 2 * e, &h, 2); }
+            else if (dtype == DT_FP8) p[e] = zero ? 0 : one ? 0x38 : (uint8_t)(uni() * 0x7E) | (uni() < 0.5 ? 0x80 : 0);
+            else p[e / 2] |= (uint8_t)((zero ? 0 : one ? 2 : (int)(uni() * 16)) << 4 * (e & 1));
+        }
+    *buf = p;
+    return W;
+}
+
+int main(void) {
+    static const char *fmt[] = {"f32", "bf16", "f16", "fp8", "", "nvfp4"};
+    const int dtypes[] = {DT_F32, DT_BF16, DT_F16, DT_FP8, DT_NVFP4};
+    const int shapes[][2] = {{1, 48}, {16, 32}, {37, 33}, {50, 400}, {33, 96}, {17, 32800}};
+    const int Ts[] = {1, 4, 5, 6, 11, 13};
+    int pass = 0, fail = 0;
+    cpu_threads = 2;
+#ifdef NEMOH_AMX
+    printf("bf16: %s\n", amx_fits(&(Mat){.dtype = DT_BF16, .rows = 16, .cols = 32}) ? "the tile unit (AMX)" : "dot_rows (the tile unit refused)");
+#else
+    printf("bf16: dot_rows (a build without AMX)\n");
+#endif
+    for (size_t d = 0; d < sizeof dtypes / sizeof *dtypes; d++)
+        for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++)
+            for (int onehot = 0; onehot < 2; onehot++) {
+                int dt = dtypes[d], R = shapes[s][0], K = shapes[s][1];
+                if (dt == DT_NVFP4 && K % 16) continue;
+                if (K > 1000 && dt != DT_BF16) continue;   /* the long product is there for bf16's chunks */
+                size_t ld = (size_t)K + 16, ldx = (size_t)K + 5, ldo = (size_t)R + 3;
+                void *buf;
+                uint8_t *bs;
+                Mat W = make(dt, R, K, ld, onehot, &buf, &bs);
+                int Tmax = 13;
+                float *x = xmalloc(Tmax * ldx * sizeof *x), *out = xmalloc(Tmax * ldo * sizeof *out), *one = xmalloc(ldo * sizeof *one);
+                for (size_t i = 0; i < Tmax * ldx; i++) {
+                    float f = (float)((uni() * 2 - 1) * exp2(uni() * 8 - 4));
+                    uint32_t u;
+                    memcpy(&u, &f, 4);
+                    u |= (0x7FFFFF & (uint32_t)(uni() * 0x800000)) | 1;   /* all 24 mantissa bits in play */
+                    memcpy(&x[i], &u, 4);
+                }
+                for (size_t ti = 0; ti < sizeof Ts / sizeof *Ts; ti++) {
+                    int T = Ts[ti];
+                    long bad_ref = 0, bad_alone = 0;
+                    double worst = 0;
+                    matmul(out, (int)ldo, x, (int)ldx, T, &W);
+                    for (int t = 0; t < T; t++) {
+                        matmul(one, (int)ldo, x + t * ldx, (int)ldx, 1, &W);
+                        for (int i = 0; i < R; i++) {
+                            double ref = 0, mag = 0;
+                            for (int k = 0; k < K; k++) {
+                                double p = (double)mat_at(&W, (size_t)i, (size_t)k) * x[t * ldx + k];
+                                ref += p, mag += fabs(p);
+                            }
+                            float got = out[t * ldo + i];
+                            double err = fabs(got - ref), tol = onehot ? 0 : 4.0 * K * 0x1p-24 * mag;
+                            if (!(err <= tol)) bad_ref++;
+                            if (mag > 0 && err / mag > worst) worst = err / mag;
+                            if (memcmp(&got, &one[i], 4)) bad_alone++;
+                        }
+                    }
+                    char name[160];
+                    snprintf(name, sizeof name, "%s %d x %d (ld %zu)%s, %d token%s", fmt[dt], R, K, ld, onehot ? " one-hot" : "", T, T > 1 ? "s" : "");
+                    if (bad_ref || bad_alone) {
+                        fail++;
+                        printf("FAILED %s: %ld sums off float64 (worst %.3g of sum |w x|), %ld differ from the token alone\n", name, bad_ref, worst, bad_alone);
+                    } else pass++;
+                }
+                free(buf), free(bs), free(x), free(out), free(one);
+            }
+    printf("%d passed, %d failed\n", pass, fail);
+    return fail != 0;
+}
