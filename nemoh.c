@@ -424,10 +424,21 @@ static void matmul(float *out, int ldo, const float *x, int ldx, int T, const Ma
     for (int i = 0; i < W->rows; i++) dot_rows(W, i, x, (size_t)ldx, T, out + i, (size_t)ldo);
 }
 
+/* sum a[i] * b[i] over n elements in fp32: in 8 lanes (a float sum in order is a chain the compiler
+ * cannot vectorize), then the rest, then the lanes */
+static float dot(const float *a, const float *b, int n) {
+    float lane[8] = {0}, s = 0;
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) lane[j] += a[i + j] * b[i + j];
+    for (; i < n; i++) s += a[i] * b[i];
+    for (int j = 0; j < 8; j++) s += lane[j];
+    return s;
+}
+
 /* out = x * rsqrt(mean(x^2) + eps) * w over n elements */
 static void rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
-    float ss = 0;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    float ss = dot(x, x, n);
     float scale = 1.0f / sqrtf(ss / n + eps);
     for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
 }
@@ -557,20 +568,22 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
     int off = 0;
     for (int k = 0; k < 5; off += L->in_proj[k].rows, k++) matmul(st->proj + off, in, st->x, hidden, T, &L->in_proj[k]);
 
-    /* xbc[t] = silu(bias + sum_j w[j] * in[t - (K-1) + j]): causal depthwise conv over x|B|C, a token
-     * at a time, each channel's window of its last K - 1 inputs shifted in place */
-    for (int t = 0; t < T; t++) {
-        const float *in_t = st->proj + (size_t)t * in + di;
-        for (int ch = 0; ch < cv; ch++) {
-            float *win = st->conv[l] + (size_t)ch * (K - 1), acc = L->conv_b[ch];
-            const float *w = L->conv_w + (size_t)ch * K;
+    /* xbc[t] = silu(bias + sum_j w[j] * in[t - (K-1) + j]): causal depthwise conv over x|B|C. The
+     * channels are independent: the rank's threads take whole channels, each shifting its window of
+     * the last K - 1 inputs in place a token at a time */
+#pragma omp parallel for num_threads(cpu_threads) schedule(static)
+    for (int ch = 0; ch < cv; ch++) {
+        float *win = st->conv[l] + (size_t)ch * (K - 1);
+        const float *w = L->conv_w + (size_t)ch * K;
+        for (int t = 0; t < T; t++) {
+            float in_t = st->proj[(size_t)t * in + di + ch], acc = L->conv_b[ch];
             for (int j = 0; j < K - 1; j++) acc += w[j] * win[j];
-            acc += w[K - 1] * in_t[ch];
+            acc += w[K - 1] * in_t;
             for (int j = 0; j < K - 2; j++) win[j] = win[j + 1];
-            win[K - 2] = in_t[ch];
+            win[K - 2] = in_t;
             st->xbc[(size_t)t * cv + ch] = silu(acc);
+            if (r->keep) memcpy(st->keep[l] + t * keep_n + (size_t)ch * (K - 1), win, (size_t)(K - 1) * sizeof(float));
         }
-        if (r->keep) memcpy(st->keep[l] + t * keep_n, st->conv[l], nc * sizeof(float));
     }
 
     /* the selective scan, per head h of group g = h / (heads per group):
@@ -642,10 +655,7 @@ static void cpu_attention(Rank *r, int l, int T, int pos) {
             /* a_j = softmax_j(q . k_j / sqrt(head_dim)); out = sum_j a_j v_j */
             float mx = -INFINITY, sum = 0;
             for (int j = 0; j < n; j++) {
-                const float *k = st->k[l] + (size_t)j * kw + kvh * hd;
-                float d = 0;
-                for (int i = 0; i < hd; i++) d += q[i] * k[i];
-                att[j] = d * scale;
+                att[j] = dot(q, st->k[l] + (size_t)j * kw + kvh * hd, hd) * scale;
                 if (att[j] > mx) mx = att[j];
             }
             for (int j = 0; j < n; j++) sum += att[j] = expf(att[j] - mx);
