@@ -1130,9 +1130,14 @@ static int sample_logits(const float *l, int V, float temp, float topp, uint64_t
     float lo = 0, hi = 1;  /* mass(lo) >= topp * total always holds; mass(th) = sum of p_i >= th */
     if (topp < 1) {
         for (int it = 0; it < 40; it++) {
+            /* the mass in 8 lanes: a loop the compiler vectorizes (in order it took a fifth of a token) */
             float mid = 0.5f * (lo + hi);
-            double mass = 0;
-            for (int i = 0; i < V; i++) mass += p[i] >= mid ? p[i] : 0;
+            double mass = 0, ml[8] = {0};
+            int i = 0;
+            for (; i + 8 <= V; i += 8)
+                for (int j = 0; j < 8; j++) ml[j] += (p[i + j] >= mid) * (double)p[i + j];
+            for (; i < V; i++) mass += p[i] >= mid ? p[i] : 0;
+            for (int j = 0; j < 8; j++) mass += ml[j];
             if (mass >= topp * total) lo = mid; else hi = mid;
         }
     }
