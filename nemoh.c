@@ -778,13 +778,19 @@ static void cpu_moe(Rank *r, int l, int T) {
     for (size_t i = 0; i < (size_t)T * hidden; i++) st->pend[i] += st->eacc[i];
 }
 
-/* Logits of the last row (or all T rows): each rank fills its vocabulary slice of the shared rows. */
+/* Logits of the last row (or all T rows): each rank fills its vocabulary slice of the shared rows; the
+ * MTP pass only the columns of ids below draft_vocab. */
 static void cpu_logits(Rank *r, int T, int all) {
     CpuState *st = r->st;
     CpuShared *sh = r->sh;
     int hidden = r->c->hidden, V = r->c->vocab, rows = all ? T : 1;
     const float *x = st->x + (size_t)(all ? 0 : T - 1) * hidden;
-    matmul(sh->logits + (size_t)r->s.rank * r->s.vocab, V, x, hidden, rows, &r->w.lm_head);
+    Mat W = r->w.lm_head;
+    if (r->pass == PASS_MTP) {
+        int mine = r->draft_vocab - r->s.rank * r->s.vocab;
+        W.rows = mine < 0 ? 0 : mine < W.rows ? mine : W.rows;
+    }
+    matmul(sh->logits + (size_t)r->s.rank * r->s.vocab, V, x, hidden, rows, &W);
     if (r->s.rank == 0) sh->rows = rows;   /* the same on every rank: one writer */
     pthread_barrier_wait(&sh->bar);
 }
@@ -794,8 +800,9 @@ static int sample_logits(const float *logits, int V, float temp, float topp, uin
 static void cpu_sample(Rank *r, int n, float temp, float topp, uint64_t seed, uint64_t step, int *out) {
     CpuShared *sh = r->sh;
     const Config *c = r->c;
+    int V = r->pass == PASS_MTP ? r->draft_vocab : c->vocab;
     for (int j = 0; j < n; j++) {
-        out[j] = sample_logits(sh->logits + (size_t)(sh->rows - n + j) * c->vocab, c->vocab, temp, topp, seed, step + (uint64_t)j);
+        out[j] = sample_logits(sh->logits + (size_t)(sh->rows - n + j) * c->vocab, V, temp, topp, seed, step + (uint64_t)j);
         if (out[j] >= 0 || r->s.rank || r->pass != PASS_MAIN) continue;   /* one rank speaks; the others wait for the exit */
         if (sh->bad < 0) die("non-finite logits: the final norm or lm_head made them (every layer's output is finite)");
         if (sh->bad == c->n_layers) die("non-finite logits: the embedding of a prompt token is not finite");
@@ -1166,7 +1173,10 @@ static int sample_logits(const float *l, int V, float temp, float topp, uint64_t
  * its position's coin, so the rule is lossless). The recurrent state rewinds to its value after d_n;
  * attention caches need nothing (positions past it are rewritten). Then the MTP block runs over
  * positions pos..pos+n (tokens t_0..t_n, the model's hidden states), and K - 1 more times on its own
- * output; each draft is the argmax of its logits. */
+ * output; each draft is the argmax of its logits among the first draft_vocab token ids (--mtp-vocab).
+ * A BPE vocabulary numbers its tokens in merge order, the most frequent first, so those ids hold
+ * nearly every token a draft gets right, and a pass computes only their rows of lm_head (FR-Spec's
+ * frequency-ranked draft vocabulary, with the merge order as the ranking). */
 typedef struct {
     Engine *e;
     int k;                      /* drafts a step (0: one token a forward) */
@@ -1205,11 +1215,13 @@ static void dump_rows(const float *l, int rows, int vocab, FILE *f, const char *
     if (fwrite(l, sizeof(float), (size_t)rows * vocab, f) != (size_t)rows * vocab) die("%s: write failed", flag);
 }
 
-/* The first rows of the logits the engine just made, as those of positions pos..pos+rows-1. */
-static void dec_keep_rows(Decoder *d, float **buf, size_t *cap, int pos, int rows) {
+/* The first rows of the logits the engine just made, as those of positions pos..pos+rows-1: the
+ * first w columns of each (the model's: the vocabulary; the MTP block's: its draft vocabulary). */
+static void dec_keep_rows(Decoder *d, float **buf, size_t *cap, int pos, int rows, int w) {
     size_t V = (size_t)d->e->c.vocab;
-    *buf = tok_grow(*buf, cap, ((size_t)pos + rows) * V, sizeof(float));
-    memcpy(*buf + pos * V, d->e->be->host_logits(&d->e->rank[0], rows), rows * V * sizeof(float));
+    const float *l = d->e->be->host_logits(&d->e->rank[0], rows);
+    *buf = tok_grow(*buf, cap, ((size_t)pos + rows) * w, sizeof(float));
+    for (int t = 0; t < rows; t++) memcpy(*buf + ((size_t)pos + t) * w, l + t * V, (size_t)w * sizeof(float));
 }
 
 /* Where the token handed out last would be fed: the tokens consumed so far, as plain decoding counts. */
@@ -1223,10 +1235,10 @@ static void dec_prefill(Decoder *d, const int *ids, int from, int to, int n_ids)
     for (int pos = from, T; pos < to; pos += T) {
         T = to - pos < e->rank[0].t_max ? to - pos : e->rank[0].t_max;
         engine_forward(e, ids + pos, T, pos, d->dump, 0);
-        if (d->dump) dec_keep_rows(d, &d->rows, &d->rows_cap, pos, T);
+        if (d->dump) dec_keep_rows(d, &d->rows, &d->rows_cap, pos, T, d->e->c.vocab);
         if (d->k && pos + T < n_ids) {
             engine_mtp(e, ids + pos + 1, T, 0, pos, d->dump_mtp);
-            if (d->dump_mtp) dec_keep_rows(d, &d->mtp_rows, &d->mtp_cap, pos, T);
+            if (d->dump_mtp) dec_keep_rows(d, &d->mtp_rows, &d->mtp_cap, pos, T, d->e->rank[0].draft_vocab);
         }
         d->mtp_from = d->k && pos + T == n_ids ? pos : -1;
     }
@@ -1240,7 +1252,7 @@ static void dec_prefill(Decoder *d, const int *ids, int from, int to, int n_ids)
 static void dec_draft(Decoder *d, const int *tok, int T, int from) {
     Engine *e = d->e;
     engine_mtp(e, tok, T, 0, from, d->dump_mtp);
-    if (d->dump_mtp) dec_keep_rows(d, &d->mtp_rows, &d->mtp_cap, from, T);
+    if (d->dump_mtp) dec_keep_rows(d, &d->mtp_rows, &d->mtp_cap, from, T, d->e->rank[0].draft_vocab);
     int k = d->k, room = d->ctx - 1 - d->pos, want = d->left - d->n_tok - 1;
     k = k < room ? k : room;
     k = k < want ? k : want;
@@ -1284,7 +1296,7 @@ static int dec_next(Decoder *d) {
         engine_forward(e, feed, K + 1, d->pos, K || d->dump, K > 0);
         engine_sample_rows(e, K + 1, d->temp, d->topp, d->seed, (uint64_t)d->pos + 1, d->tok);
         while (n < K && d->draft[n] == d->tok[n]) n++;
-        if (d->dump) dec_keep_rows(d, &d->rows, &d->rows_cap, d->pos, n + 1);
+        if (d->dump) dec_keep_rows(d, &d->rows, &d->rows_cap, d->pos, n + 1, d->e->c.vocab);
         if (n < K) engine_rewind(e, n);
         if (K) d->steps++, d->fed += K, d->accepted += n, d->hist[n]++;
         d->base = d->pos;
@@ -3909,7 +3921,7 @@ static GenStats generate(Engine *e, const int *prompt, int n_prompt, const GenOp
     }
     for (int k = 0; k < e->n; k++) e->rank[k].trace = 0;
     if (o->dump) dump_rows(d.rows, st.made ? dec_at(&d) : d.pos, e->c.vocab, o->dump, "--dump-logits");
-    if (o->dump_mtp && st.made) dump_rows(d.mtp_rows, dec_at(&d), e->c.vocab, o->dump_mtp, "--dump-mtp");
+    if (o->dump_mtp && st.made) dump_rows(d.mtp_rows, dec_at(&d), e->rank[0].draft_vocab, o->dump_mtp, "--dump-mtp");
     st.steps = d.steps, st.fed = d.fed, st.accepted = d.accepted;
     memcpy(st.hist, d.hist, sizeof st.hist);
     free(d.rows);
@@ -3974,16 +3986,16 @@ static double host_copy_gbps(void) {
     return gbps;
 }
 
-/* --bench: a prompt of prompt_len (-P) random tokens, then n greedy tokens; one table. */
 /* The end-of-run line of drafting: steps, acceptance length (tokens a step emits), drafts accepted. */
-static void print_drafting(const GenStats *st, int k) {
+static void print_drafting(const GenStats *st, int k, int vocab) {
     if (!st->steps) { fprintf(stderr, "nemoh: mtp: no drafting step ran (the first token comes from the prompt)\n"); return; }
-    fprintf(stderr, "nemoh: mtp: %d draft%s a step; %ld steps, acceptance length %.2f (%ld of %ld drafts accepted; steps by accepted:",
-            k, k == 1 ? "" : "s", st->steps, (double)(st->steps + st->accepted) / st->steps, st->accepted, st->fed);
+    fprintf(stderr, "nemoh: mtp: %d draft%s a step among ids below %d; %ld steps, acceptance length %.2f (%ld of %ld drafts accepted; steps by accepted:",
+            k, k == 1 ? "" : "s", vocab, st->steps, (double)(st->steps + st->accepted) / st->steps, st->accepted, st->fed);
     for (int i = 0; i <= k; i++) fprintf(stderr, " %ld", st->hist[i]);
     fprintf(stderr, ")\n");
 }
 
+/* --bench: a prompt of prompt_len (-P) random tokens, then n greedy tokens; one table. */
 static void bench(Engine *e, const char *model, int prompt_len, int n, int gpu) {
     Rank *r = &e->rank[0];
     if (prompt_len < 1 || prompt_len + n > r->ctx) die("--bench: -P %d plus -n %d tokens exceed the context of %d (-c)", prompt_len, n, r->ctx);
@@ -4017,8 +4029,8 @@ static void bench(Engine *e, const char *model, int prompt_len, int n, int gpu) 
     printf("| decode | %d tokens: %.3f ms/token, %.1f tok/s%s |\n", st.made, ms, ms > 0 ? 1e3 / ms : 0, r->spec ? " (no drafts)" : "");
     if (r->spec && sd.made > 1 && sd.steps) {
         double dms = sd.decode_s * 1e3 / (sd.made - 1), step = sd.decode_s * 1e3 / sd.steps, al = (double)(sd.steps + sd.accepted) / sd.steps;
-        printf("| decode, %d drafts a step (--mtp) | %d tokens: %.3f ms/token, %.1f tok/s, %.2fx; acceptance length %.2f |\n", r->spec,
-               sd.made, dms, 1e3 / dms, ms / dms, al);
+        printf("| decode, %d drafts a step among ids below %d (--mtp, --mtp-vocab) | %d tokens: %.3f ms/token, %.1f tok/s, %.2fx; acceptance length %.2f |\n",
+               r->spec, r->draft_vocab, sd.made, dms, 1e3 / dms, ms / dms, al);
         printf("| one drafting step | %.3f ms (verify %d tokens, %d MTP passes): drafting pays from acceptance length %.2f |\n", step,
                r->spec + 1, r->spec, step / ms);
     }
@@ -4119,7 +4131,10 @@ static void usage(void) {
           "  --dump-logits FILE float32 logits, one row of vocab_size per forward position\n"
           "  --mtp K            draft K tokens a step with the model's multi-token prediction block and verify\n"
           "                     them in one forward (0..8; default 0: on the default model drafting is slower)\n"
-          "  --dump-mtp FILE    float32 logits of the MTP block, one row per position (the token after it known)\n"
+          "  --mtp-vocab N      draft among the first N token ids only (BPE's most frequent; default on the CPU:\n"
+          "                     vocab_size / 8, on a GPU: all); each MTP pass computes N rows of lm_head\n"
+          "  --dump-mtp FILE    float32 logits of the MTP block, one row per position (the token after it known),\n"
+          "                     of the --mtp-vocab ids\n"
           "  --tp N|all         tensor-parallel ranks (default 1; all: every visible GPU)\n"
           "  --no-fuse          all-reduce at each layer's end instead of fused into the next norm\n"
           "  --trace            print what each layer of the first decode step runs\n"
@@ -4200,7 +4215,7 @@ int main(int argc, char **argv) {
     const char *mtp_path = NULL;
     const char *tok_path = NULL, *prompt_file = NULL;
     int ctx = 0, use_cpu = 0, have_seed = 0, fuse = 1, graph = 1, chunk = 0, do_bench = 0, bench_ar = 0, P = 512;
-    int hidden = 4096, n_set = 0, encode = 0, print_ids = 0, chat = 0, interactive = 0, hide_think = 0, rc = 0, mtp = -1;
+    int hidden = 4096, n_set = 0, encode = 0, print_ids = 0, chat = 0, interactive = 0, hide_think = 0, rc = 0, mtp = -1, mtp_vocab = 0;
     const char *system = NULL;
     Chat ch = {.think = -1};
     GenOpts o = {.n = 256, .temp = 0.8f, .topp = 0.95f};
@@ -4225,6 +4240,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--dump-logits")) dump_path = VALUE();
         else if (!strcmp(a, "--dump-mtp")) mtp_path = VALUE();
         else if (!strcmp(a, "--mtp")) mtp = arg_int(a, VALUE(), 0, SPEC_MAX);
+        else if (!strcmp(a, "--mtp-vocab")) mtp_vocab = arg_int(a, VALUE(), 1, 1 << 30);
         else if (!strcmp(a, "--random")) preset = VALUE();
         else if (!strcmp(a, "--tp")) tp_arg = VALUE();
         else if (!strcmp(a, "--no-fuse")) fuse = 0;
@@ -4284,6 +4300,8 @@ int main(int argc, char **argv) {
     if (mtp < 0) mtp = e.c.n_mtp ? MTP_DEFAULT : 0;
     if (!mtp) e.c.n_mtp = 0;   /* the block is not read: --mtp 0 runs a model whose MTP tensors are broken */
     if (mtp_path && !mtp) die("--dump-mtp: needs drafting (a model with an MTP block, and not --mtp 0)");
+    if (mtp_vocab && !mtp) die("--mtp-vocab: needs drafting (a model with an MTP block, and not --mtp 0)");
+    if (mtp_vocab > e.c.vocab) die("--mtp-vocab %d: the vocabulary has %d tokens", mtp_vocab, e.c.vocab);
 
     /* the tokenizer: --tokenizer FILE, else the model directory's tokenizer.json when there is one */
     char tpath[4096];
@@ -4338,6 +4356,8 @@ int main(int argc, char **argv) {
 #ifdef NEMOH_CUDA
     if (gpus) be = &cuda_backend;
 #endif
+    if (mtp_vocab && be != &cpu_backend) die("--mtp-vocab: the CUDA backend drafts among the whole vocabulary (run with --cpu)");
+    if (!mtp_vocab) mtp_vocab = be == &cpu_backend ? (e.c.vocab + 7) / 8 : e.c.vocab;
     if (has_kind(&e.c, K_MOE) && !be->moe)
         die("%s: the %s backend does not run mixture-of-experts layers yet; run it with --cpu", preset ? preset : dir, be->name);
     Checkpoint ck;
@@ -4371,6 +4391,7 @@ int main(int argc, char **argv) {
     cpu_threads = (int)sysconf(_SC_NPROCESSORS_ONLN) / tp;
     if (cpu_threads < 1) cpu_threads = 1;
     build_engine(&e, &ck, be, tp, t_max, ctx, fuse, o.dump || o.dump_mtp ? t_max : mtp + 1, graph, mtp);
+    for (int i = 0; i < e.n; i++) e.rank[i].draft_vocab = mtp_vocab;
     GenOpts shown = o;
     if (do_bench) shown.temp = 0;   /* --bench decodes greedily */
     print_loaded(&e, preset ? preset : dir, now_s() - t0, &shown);
@@ -4400,7 +4421,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "nemoh: prefill %d token%s in %.3f s (%.1f tok/s); decode %d token%s in %.3f s (%.1f tok/s)\n",
                 st.prefilled, st.prefilled == 1 ? "" : "s", st.prefill_s, st.prefilled ? st.prefilled / st.prefill_s : 0.0,
                 st.made, st.made == 1 ? "" : "s", st.decode_s, st.made > 1 ? (st.made - 1) / st.decode_s : 0.0);
-        if (mtp) print_drafting(&st, mtp);
+        if (mtp) print_drafting(&st, mtp, e.rank[0].draft_vocab);
         if (st.full) fprintf(stderr, "nemoh: stopped at the end of the context (%d tokens; -c sets it)\n", ctx);
         if (sigint_stop) fprintf(stderr, "nemoh: interrupted (Ctrl-C)\n"), rc = 130;
     }

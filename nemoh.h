@@ -216,6 +216,7 @@ struct Rank {
     int spec;                   /* most draft tokens one step verifies (0: none); states for spec + 1 */
     int keep;                   /* 1: the next forward records each token's recurrent state (rewind) */
     int pass;                   /* PASS_MAIN or PASS_MTP: the forward now running */
+    int draft_vocab;            /* the MTP pass's logits and drafts: token ids below it (--mtp-vocab) */
 };
 
 /* ------------------------------------------------------------------------------------------------

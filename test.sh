@@ -193,17 +193,34 @@ check "speculative sampling: TV to plain sampling $v < 0.2 (temperature 0.3: $ho
     awk "BEGIN { exit !($v < 0.2 && $hot > 0.2 && $always > 0.2) }"
 # The block's own logits at every position (the token after it known) against the oracle: transformers'
 # NemotronHBlocks with the MTP tensors, behind enorm, hnorm and eh_proj (tools/nemotron_h.py)
+# (--mtp-vocab N: the logits of ids below N, the only ones a pass computes; N past a rank's slice at --tp 2)
+vocab_of() { grep -o '"vocab_size": [0-9]*' "$1/config.json" | grep -o '[0-9]*$'; }
 for c in tiny-mtp-latent-f32:1 tiny-mtp-latent-f32:2 tiny-mtp-f32:1 tiny-mtp-f32:2; do
     f=${c%:*} n=${c#*:} d=tests/fixtures/${c%:*}
-    fixture_run ./nemoh "$d" "$T/$f-mtp-tp$n.bin" --cpu --tp $n --mtp 3 --dump-mtp "$T/$f-mtp-tp$n.mtp" >/dev/null
-    check "$f --tp $n: MTP logits at every position within 1e-4 of the oracle" "$T/compare_logits" "$T/$f-mtp-tp$n.mtp" "$d/mtp_logits.bin" 1e-4
+    V=$(vocab_of "$d")
+    for nv in $V $((V / 2 + 3)); do
+        fixture_run ./nemoh "$d" "$T/$f-mtp-tp$n.bin" --cpu --tp $n --mtp 3 --mtp-vocab $nv --dump-mtp "$T/$f-mtp-tp$n.mtp" >/dev/null
+        check "$f --tp $n --mtp-vocab $nv: MTP logits of those ids at every position within 1e-4 of the oracle" \
+            "$T/compare_logits" "$T/$f-mtp-tp$n.mtp" "$d/mtp_logits.bin" 1e-4 $nv $V
+    done
 done
 ./nemoh --cpu -m weights --ids "$(cat tests/fixtures/default-ref/ids.txt)" -n 1 -t 0 --mtp 3 --dump-mtp "$T/defm.bin" >/dev/null 2>&1
-check "default model: its trained MTP block's logits on held-out text within 1e-4 of the oracle" \
-    "$T/compare_logits" "$T/defm.bin" tests/fixtures/default-ref/mtp_logits.bin 1e-4
-full && fixture_run "$ASAN" tests/fixtures/tiny-mtp-latent-f32 "$T/asan-mtp.bin" --tp 2 --mtp 3 --dump-mtp "$T/asan-mtp.mtp" >/dev/null
+check "default model: its trained MTP block's logits on held-out text (its default 1024 ids) within 1e-4 of the oracle" \
+    "$T/compare_logits" "$T/defm.bin" tests/fixtures/default-ref/mtp_logits.bin 1e-4 1024 8192
+full && fixture_run "$ASAN" tests/fixtures/tiny-mtp-latent-f32 "$T/asan-mtp.bin" --tp 2 --mtp 3 --mtp-vocab 1200 --dump-mtp "$T/asan-mtp.mtp" >/dev/null
 full && check "asan tiny-mtp-latent-f32 --tp 2: MTP logits within 1e-4 of the oracle" "$T/compare_logits" "$T/asan-mtp.mtp" \
     tests/fixtures/tiny-mtp-latent-f32/mtp_logits.bin 1e-4
+# --mtp-vocab 1: every draft is id 0, which none of the plain tokens is, so none is accepted; the tokens
+# still equal --mtp 0's
+d=tests/fixtures/tiny-mtp-f32 ids=$(cat tests/fixtures/tiny-mtp-f32/prompt.txt)
+plain=$(./nemoh --cpu -m $d --ids "$ids" -n 48 -t 0 --mtp 0 2>/dev/null)
+got=$(./nemoh --cpu -m $d --ids "$ids" -n 48 -t 0 --mtp 2 --mtp-vocab 1 2>"$T/nv1.err")
+if ! grep -qw 0 <<< "$plain" && [ "$got" = "$plain" ] && grep -q 'among ids below 1;.* (0 of [0-9]* drafts accepted' "$T/nv1.err"; then
+    pass "tiny-mtp-f32 --mtp 2 --mtp-vocab 1: every draft id 0, none accepted, tokens equal --mtp 0"
+else fail "tiny-mtp-f32 --mtp 2 --mtp-vocab 1: every draft id 0, none accepted, tokens equal --mtp 0" "$got"$'\n'"$plain"$'\n'"$(cat "$T/nv1.err")"; fi
+refuse "bad input: --mtp-vocab past the vocabulary" "--mtp-vocab 1201: the vocabulary has 1200 tokens" ./nemoh --cpu -m $d --ids 1 --mtp 2 --mtp-vocab 1201
+refuse "bad input: --mtp-vocab 0" "--mtp-vocab: expected an integer in [1," ./nemoh --cpu -m $d --ids 1 --mtp 2 --mtp-vocab 0
+refuse "bad input: --mtp-vocab without drafting" "--mtp-vocab: needs drafting" ./nemoh --cpu -m $d --ids 1 --mtp 0 --mtp-vocab 8
 n=$(./nemoh --cpu -m tests/fixtures/tiny-moe-bf16 --ids 1 -n 1 --mtp 0 2>&1 | grep -c 'mtp\.\* tensors (multi-token prediction heads) are not used')
 same "tiny-moe-bf16 --mtp 0: its mtp.* tensors named once on stderr as unused" "$n" 1
 
@@ -576,6 +593,8 @@ else
     g0=$(./nemoh -m weights -n 64 -t 0 --mtp 0 "Once upon a time" 2>/dev/null)
     same "GPU default model: greedy with its trained drafts (--mtp 3) = without" "$(./nemoh -m weights -n 64 -t 0 --mtp 3 "Once upon a time" 2>/dev/null)" "$g0"
     chat_turns ./nemoh "$T/chat-mtp" "GPU chat --mtp 3" 2e-4 - --mtp 3
+    refuse "GPU bad input: --mtp-vocab on the CUDA backend" "--mtp-vocab: the CUDA backend drafts among the whole vocabulary" \
+        ./nemoh -m tests/fixtures/tiny-mtp-f32 --ids 1 --mtp 2 --mtp-vocab 8
     # --chat on the GPU: snapshots are device-to-device copies the replayed decode graph then reads
     for fmt in nano-v2 nemotron-3; do chat_turns ./nemoh $fmt "GPU chat $fmt" 5e-2 -; done
     chat_turns ./nemoh nemotron-3 "GPU chat nemotron-3 --no-graph" 5e-2 --no-think --no-graph
