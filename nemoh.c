@@ -212,8 +212,8 @@ typedef struct {
     float **conv;               /* [n_all] Mamba: [conv, d_conv-1] last inputs, oldest first */
     float **ssm;                /* [n_all] Mamba: [m_heads, m_hdim, d_state] fp32 state */
     float **k, **v;             /* [n_all] attention: [ctx, kv*head_dim] cache */
-    float **keep;               /* [n_all] Mamba, with drafting: [spec + 1] states after each token of a
-                                   forward run with r->keep, each conv then ssm */
+    float **keep;               /* [n_all] Mamba, with drafting: [spec] states after each token but the
+                                   last of a forward run with r->keep, each conv then ssm */
     float *eh;                  /* [t_max, 2 * hidden] MTP: [enorm(embed) ; hnorm(h)] */
     float *snap;                /* [SNAPSHOT_SLOTS, snap_n] saved conv windows + SSM states, made at first save */
     size_t snap_n;              /* floats of one snapshot: every Mamba layer's conv then ssm */
@@ -469,7 +469,7 @@ static void cpu_init(Rank *r) {
         if (c->kind[l] == K_MAMBA) {
             st->conv[l] = xcalloc(nc, sizeof(float));
             st->ssm[l] = xcalloc(ns, sizeof(float));
-            if (r->spec) st->keep[l] = xcalloc((size_t)(r->spec + 1) * (nc + ns), sizeof(float));
+            if (r->spec) st->keep[l] = xcalloc((size_t)r->spec * (nc + ns), sizeof(float));
         } else if (c->kind[l] == K_ATTN) {
             st->k[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
             st->v[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
@@ -582,7 +582,7 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
             for (int j = 0; j < K - 2; j++) win[j] = win[j + 1];
             win[K - 2] = in_t;
             st->xbc[(size_t)t * cv + ch] = silu(acc);
-            if (r->keep) memcpy(st->keep[l] + t * keep_n + (size_t)ch * (K - 1), win, (size_t)(K - 1) * sizeof(float));
+            for (int j = 0; r->keep && t < T - 1 && j < K - 1; j++) st->keep[l][t * keep_n + (size_t)ch * (K - 1) + j] = win[j];
         }
     }
 
@@ -614,7 +614,7 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
                 for (int j = 0; j < 8; j++) y += lane[j];
                 st->y[(size_t)t * di + h * hdim + p] = y + L->D[h] * xv;
             }
-            if (r->keep) memcpy(st->keep[l] + t * keep_n + nc + hs, st->ssm[l] + hs, (size_t)hdim * N * sizeof(float));
+            if (r->keep && t < T - 1) memcpy(st->keep[l] + t * keep_n + nc + hs, st->ssm[l] + hs, (size_t)hdim * N * sizeof(float));
         }
     }
 
@@ -823,7 +823,8 @@ static void cpu_mtp_in(Rank *r, const int *tok, int T, int row) {
     matmul(st->res, H, st->eh, 2 * H, T, &r->w.eh_proj);
 }
 
-/* Every Mamba layer's conv window and SSM state := those after token t of the last forward with r->keep. */
+/* Every Mamba layer's conv window and SSM state := those after token t of the last forward with r->keep
+ * (t below its last token, whose state is the state itself: none is kept for it). */
 static void cpu_rewind(Rank *r, int t) {
     CpuState *st = r->st;
     const Config *c = r->c;

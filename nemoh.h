@@ -195,7 +195,7 @@ typedef struct {
     /* Multi-token prediction. mtp_in: residual[t] = eh_proj([enorm(embed[tok[t]]) ; hnorm(x[row + t])])
      * for t < T, x as the last forward's final norm left it (the model's h, or the block's own output).
      * rewind: every Mamba layer's conv window and SSM state := the one after token t of the last
-     * forward run with r->keep set (t <= r->spec). */
+     * forward run with r->keep set (t below that forward's last token, t < r->spec). */
     void (*mtp_in)(Rank *r, const int *tok, int T, int row);
     void (*rewind)(Rank *r, int t);
 } Backend;
