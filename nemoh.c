@@ -210,10 +210,13 @@ typedef struct {
     float *y;                   /* [t_max, max(d_inner, q*head_dim)] mixer output before out_proj */
     float *att;                 /* [q heads, ctx] attention weights of one query, a row a head */
     float **conv;               /* [n_all] Mamba: [conv, d_conv-1] last inputs, oldest first */
-    float **ssm;                /* [n_all] Mamba: [m_heads, m_hdim, d_state] fp32 state */
+    float **ssm;                /* [n_all] Mamba: [spec + 1, m_heads, m_hdim, d_state] fp32 states in slots:
+                                   the state in slot at[l]; a forward run with r->keep leaves token t's in
+                                   slot (at + t) % (spec + 1), so a rewind moves at[l] and copies nothing */
+    int *at, *base;             /* [n_all] Mamba: the state's slot; the last keep forward's token 0's */
     float **k, **v;             /* [n_all] attention: [ctx, kv*head_dim] cache */
-    float **keep;               /* [n_all] Mamba, with drafting: [spec] states after each token but the
-                                   last of a forward run with r->keep, each conv then ssm */
+    float **keep;               /* [n_all] Mamba, with drafting: [spec, conv, d_conv-1] conv windows after
+                                   each token but the last of a forward run with r->keep */
     float *eh;                  /* [t_max, 2 * hidden] MTP: [enorm(embed) ; hnorm(h)] */
     float *snap;                /* [SNAPSHOT_SLOTS, snap_n] saved conv windows + SSM states, made at first save */
     size_t snap_n;              /* floats of one snapshot: every Mamba layer's conv then ssm */
@@ -461,6 +464,8 @@ static void cpu_init(Rank *r) {
     size_t nl = (size_t)n_all(c), nc = (size_t)s->conv * (size_t)(c->d_conv - 1), ns = (size_t)s->d_inner * (size_t)c->d_state;
     st->conv = xcalloc(nl, sizeof(float *));
     st->ssm = xcalloc(nl, sizeof(float *));
+    st->at = xcalloc(nl, sizeof(int));
+    st->base = xcalloc(nl, sizeof(int));
     st->k = xcalloc(nl, sizeof(float *));
     st->v = xcalloc(nl, sizeof(float *));
     st->keep = xcalloc(nl, sizeof(float *));
@@ -468,8 +473,8 @@ static void cpu_init(Rank *r) {
     for (int l = 0; l < n_all(c); l++) {
         if (c->kind[l] == K_MAMBA) {
             st->conv[l] = xcalloc(nc, sizeof(float));
-            st->ssm[l] = xcalloc(ns, sizeof(float));
-            if (r->spec) st->keep[l] = xcalloc((size_t)r->spec * (nc + ns), sizeof(float));
+            st->ssm[l] = xcalloc((size_t)(r->spec + 1) * ns, sizeof(float));
+            if (r->spec) st->keep[l] = xcalloc((size_t)r->spec * nc, sizeof(float));
         } else if (c->kind[l] == K_ATTN) {
             st->k[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
             st->v[l] = xcalloc((size_t)r->ctx * (size_t)(s->kv * c->head_dim), sizeof(float));
@@ -496,7 +501,7 @@ static void cpu_init(Rank *r) {
 static void cpu_free(Rank *r) {
     CpuState *st = r->st;
     for (int l = 0; l < n_all(r->c); l++) { free(st->conv[l]); free(st->ssm[l]); free(st->k[l]); free(st->v[l]); free(st->keep[l]); }
-    free(st->conv); free(st->ssm); free(st->k); free(st->v); free(st->keep); free(st->eh);
+    free(st->conv); free(st->ssm); free(st->k); free(st->v); free(st->keep); free(st->at); free(st->base); free(st->eh);
     free(st->res); free(st->x); free(st->pend); free(st->sum); free(st->proj); free(st->xbc); free(st->y);
     free(st->att); free(st->snap);
     free(st->route); free(st->route_w); free(st->escore); free(st->ez); free(st->eacc); free(st->ein); free(st->eout);
@@ -562,7 +567,7 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
     CpuState *st = r->st;
     int hidden = c->hidden, di = s->d_inner, cv = s->conv, in = s->in_proj, K = c->d_conv;
     int m_heads = s->m_heads, hdim = c->m_hdim, N = c->d_state, groups = s->groups, gsize = di / groups;
-    size_t nc = (size_t)cv * (size_t)(K - 1), keep_n = nc + (size_t)di * N;   /* r->keep: a token's conv, then ssm */
+    size_t nc = (size_t)cv * (size_t)(K - 1), ns = (size_t)di * N;
 
     /* [z | x | B | C | dt] = in_proj(x), each segment from its own row slice */
     int off = 0;
@@ -582,13 +587,16 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
             for (int j = 0; j < K - 2; j++) win[j] = win[j + 1];
             win[K - 2] = in_t;
             st->xbc[(size_t)t * cv + ch] = silu(acc);
-            for (int j = 0; r->keep && t < T - 1 && j < K - 1; j++) st->keep[l][t * keep_n + (size_t)ch * (K - 1) + j] = win[j];
+            for (int j = 0; r->keep && t < T - 1 && j < K - 1; j++) st->keep[l][t * nc + (size_t)ch * (K - 1) + j] = win[j];
         }
     }
 
     /* the selective scan, per head h of group g = h / (heads per group):
      * dt = softplus(dt + dt_bias); S = exp(dt*A) * S + dt * x (x) B; y = S.C + D * x
-     * The heads are independent: the rank's threads take whole heads, each through every step. */
+     * The heads are independent: the rank's threads take whole heads, each through every step. Token t
+     * reads the state from the slot token t - 1 wrote and writes its own, slot at + t with r->keep (a
+     * forward of at most spec + 1 tokens), else the same slot again. */
+    int slots = r->spec + 1, at = st->at[l];
 #pragma omp parallel for num_threads(cpu_threads) schedule(static)
     for (int h = 0; h < m_heads; h++) {
         int g = h / (m_heads / groups);
@@ -597,26 +605,29 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
             const float *xt = st->xbc + (size_t)t * cv, *Bt = xt + di, *Ct = Bt + groups * N;
             float dt = softplus(st->proj[(size_t)t * in + di + cv + h] + L->dt_bias[h]);
             float dA = expf(dt * L->A[h]);
+            const float *Sin = st->ssm[l] + (size_t)(r->keep ? (at + (t ? t - 1 : 0)) % slots : at) * ns + hs;
+            float *Sout = st->ssm[l] + (size_t)(r->keep ? (at + t) % slots : at) * ns + hs;
             for (int p = 0; p < hdim; p++) {
                 /* y's sum in 8 lanes, so the compiler vectorizes the loop, then the rest, then the lanes */
-                float *S = st->ssm[l] + hs + (size_t)p * N, xv = xt[h * hdim + p], y = 0, lane[8] = {0};
-                const float *B = Bt + g * N, *C = Ct + g * N;
+                const float *Si = Sin + (size_t)p * N, *B = Bt + g * N, *C = Ct + g * N;
+                float *So = Sout + (size_t)p * N, xv = xt[h * hdim + p], y = 0, lane[8] = {0};
                 int n = 0;
                 for (; n + 8 <= N; n += 8)
                     for (int j = 0; j < 8; j++) {
-                        S[n + j] = dA * S[n + j] + dt * xv * B[n + j];
-                        lane[j] += S[n + j] * C[n + j];
+                        So[n + j] = dA * Si[n + j] + dt * xv * B[n + j];
+                        lane[j] += So[n + j] * C[n + j];
                     }
                 for (; n < N; n++) {
-                    S[n] = dA * S[n] + dt * xv * B[n];
-                    y += S[n] * C[n];
+                    So[n] = dA * Si[n] + dt * xv * B[n];
+                    y += So[n] * C[n];
                 }
                 for (int j = 0; j < 8; j++) y += lane[j];
                 st->y[(size_t)t * di + h * hdim + p] = y + L->D[h] * xv;
             }
-            if (r->keep && t < T - 1) memcpy(st->keep[l] + t * keep_n + nc + hs, st->ssm[l] + hs, (size_t)hdim * N * sizeof(float));
         }
     }
+    st->base[l] = at;
+    if (r->keep) st->at[l] = (at + T - 1) % slots;
 
     /* u = y * silu(z), then RMSNorm over each group of d_inner/groups channels, times norm.weight */
     for (int t = 0; t < T; t++) {
@@ -824,15 +835,15 @@ static void cpu_mtp_in(Rank *r, const int *tok, int T, int row) {
 }
 
 /* Every Mamba layer's conv window and SSM state := those after token t of the last forward with r->keep
- * (t below its last token, whose state is the state itself: none is kept for it). */
+ * (t below its last token, whose state is the state itself: no conv window is kept for it). */
 static void cpu_rewind(Rank *r, int t) {
     CpuState *st = r->st;
     const Config *c = r->c;
-    size_t nc = (size_t)r->s.conv * (size_t)(c->d_conv - 1), ns = (size_t)r->s.d_inner * (size_t)c->d_state;
+    size_t nc = (size_t)r->s.conv * (size_t)(c->d_conv - 1);
     for (int l = 0; l < n_all(c); l++) {
         if (c->kind[l] != K_MAMBA) continue;
-        memcpy(st->conv[l], st->keep[l] + (size_t)t * (nc + ns), nc * sizeof(float));
-        memcpy(st->ssm[l], st->keep[l] + (size_t)t * (nc + ns) + nc, ns * sizeof(float));
+        memcpy(st->conv[l], st->keep[l] + (size_t)t * nc, nc * sizeof(float));
+        st->at[l] = (st->base[l] + t) % (r->spec + 1);
     }
 }
 
@@ -875,7 +886,8 @@ static void cpu_snapshot(Rank *r, int slot, int save) {
     for (int l = 0; l < c->n_layers; l++) {
         if (c->kind[l] != K_MAMBA) continue;
         memcpy(save ? p : st->conv[l], save ? st->conv[l] : p, nc * sizeof(float));
-        memcpy(save ? p + nc : st->ssm[l], save ? st->ssm[l] : p + nc, ns * sizeof(float));
+        float *ssm = st->ssm[l] + (size_t)st->at[l] * ns;
+        memcpy(save ? p + nc : ssm, save ? ssm : p + nc, ns * sizeof(float));
         p += nc + ns;
     }
 }
