@@ -612,6 +612,7 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
                 const float *Si = Sin + (size_t)p * N, *B = Bt + g * N, *C = Ct + g * N;
                 float *So = Sout + (size_t)p * N, xv = xt[h * hdim + p], y = 0, lane[8] = {0};
                 int n = 0;
+#pragma GCC ivdep   /* So is Si (in place) or another slot: gcc's overlap check sent in place to scalar code */
                 for (; n + 8 <= N; n += 8)
                     for (int j = 0; j < 8; j++) {
                         So[n + j] = dA * Si[n + j] + dt * xv * B[n + j];
