@@ -1145,19 +1145,26 @@ static int sample_logits(const float *l, int V, float temp, float topp, uint64_t
     if (!finite) return -1;
     while (l[best] != mx) best++;
     if (temp <= 0) return best;
-    float *p = xmalloc((size_t)V * sizeof(float));
+    float *p = xmalloc(2 * (size_t)V * sizeof(float)), *cand = p + V;
     double total = 0;
     for (int i = 0; i < V; i++) total += p[i] = expf((l[i] - l[best]) / temp);
     float lo = 0, hi = 1;  /* mass(lo) >= topp * total always holds; mass(th) = sum of p_i >= th */
     if (topp < 1) {
+        /* Every threshold tried lies above (1 - topp) total / (2V) (nemoh.cu's sample_kernel says why),
+         * so only p_i >= a quarter of (1 - topp) total / V ever count: gathered once, they are what
+         * the 40 passes read. */
+        float tau = (float)((1 - topp) * total / V / 4);
+        int n = 0;
+        for (int i = 0; i < V; i++)
+            if (p[i] >= tau) cand[n++] = p[i];
         for (int it = 0; it < 40; it++) {
-            /* the mass in 8 lanes: a loop the compiler vectorizes (in order it took a fifth of a token) */
+            /* the mass in 8 lanes: a loop the compiler vectorizes */
             float mid = 0.5f * (lo + hi);
             double mass = 0, ml[8] = {0};
             int i = 0;
-            for (; i + 8 <= V; i += 8)
-                for (int j = 0; j < 8; j++) ml[j] += (p[i + j] >= mid) * (double)p[i + j];
-            for (; i < V; i++) mass += p[i] >= mid ? p[i] : 0;
+            for (; i + 8 <= n; i += 8)
+                for (int j = 0; j < 8; j++) ml[j] += (cand[i + j] >= mid) * (double)cand[i + j];
+            for (; i < n; i++) mass += cand[i] >= mid ? cand[i] : 0;
             for (int j = 0; j < 8; j++) mass += ml[j];
             if (mass >= topp * total) lo = mid; else hi = mid;
         }
