@@ -1222,11 +1222,12 @@ typedef struct {
     int dump, dump_mtp;         /* keep rows, mtp_rows */
 } Decoder;
 
-/* Drafts a step when the model has an MTP block and --mtp is not given: none. On the default model
- * (its trained block, acceptance length 2.7 at 3 drafts) drafting measured slower on both backends:
- * at best 926 (2 drafts) against 1,045 tok/s on the 2-core CPU, 6,053 (3 drafts) against 9,119 on one
- * H200 (bench/RESULTS.md). */
-enum { MTP_DEFAULT = 0 };
+/* Drafts a step when the model has an MTP block and --mtp is not given: the count that measured
+ * fastest on the default model (its trained block; bench/RESULTS.md, "Drafting with the MTP block").
+ * On the CPU, greedy: 1 (1.1x over eight prompts). Sampled, a greedy draft is accepted only when the
+ * draw equals it (acceptance length 1.25 at one draft, 0.87x), and on one H200 every count measured
+ * slower: none. */
+static int mtp_default(int gpu, float temp) { return !gpu && temp <= 0 ? 1 : 0; }
 
 static void *tok_grow(void *p, size_t *cap, size_t need, size_t size);
 static int *parse_ids(const char *s, int *n);
@@ -4318,7 +4319,7 @@ int main(int argc, char **argv) {
     if (mtp > 0 && !e.c.n_mtp && !encode)
         die("--mtp %d: %s has no multi-token prediction block (num_nextn_predict_layers)", mtp, preset ? preset : dir);
     int mtp_in_config = e.c.n_mtp > 0;
-    if (mtp < 0) mtp = e.c.n_mtp ? MTP_DEFAULT : 0;
+    if (mtp < 0) mtp = e.c.n_mtp ? mtp_default(gpus > 0, do_bench ? 0 : o.temp) : 0;
     if (!mtp) e.c.n_mtp = 0;   /* the block is not read: --mtp 0 runs a model whose MTP tensors are broken */
     if (mtp_path && !mtp) die("--dump-mtp: needs drafting (a model with an MTP block, and not --mtp 0)");
     if (mtp_vocab && !mtp) die("--mtp-vocab: needs drafting (a model with an MTP block, and not --mtp 0)");
