@@ -8,7 +8,8 @@
  *     forward relies on it);
  *   - with one weight of 1 a row, every output equals its x exactly (x with all 24 mantissa bits:
  *     a product that drops any part of x fails).
- * Runs on two threads. Prints which path bf16 took, then "N passed, M failed". */
+ * Runs on two threads. Prints which path bf16 took (the last three shapes are large enough for the tile
+ * unit), then "N passed, M failed". */
 #define NEMOH_NO_MAIN
 #include "../nemoh.c"
 
@@ -48,12 +49,12 @@ static Mat make(int dtype, int rows, int cols, size_t ld, int onehot, void **buf
 int main(void) {
     static const char *fmt[] = {"f32", "bf16", "f16", "fp8", "", "nvfp4"};
     const int dtypes[] = {DT_F32, DT_BF16, DT_F16, DT_FP8, DT_NVFP4};
-    const int shapes[][2] = {{1, 48}, {16, 32}, {37, 33}, {50, 400}, {33, 96}, {17, 32800}};
+    const int shapes[][2] = {{1, 48}, {16, 32}, {37, 33}, {33, 96}, {37, 1000}, {300, 130}, {17, 32800}};
     const int Ts[] = {1, 4, 5, 6, 11, 13};
     int pass = 0, fail = 0;
     cpu_threads = 2;
 #ifdef NEMOH_AMX
-    printf("bf16: %s\n", amx_fits(&(Mat){.dtype = DT_BF16, .rows = 16, .cols = 32}) ? "the tile unit (AMX)" : "dot_rows (the tile unit refused)");
+    printf("bf16: %s\n", amx_fits(&(Mat){.dtype = DT_BF16, .rows = 16, .cols = 4096}) ? "the tile unit (AMX)" : "dot_rows (the tile unit refused)");
 #else
     printf("bf16: dot_rows (a build without AMX)\n");
 #endif
