@@ -117,14 +117,16 @@ for san in "" "-fsanitize=address,undefined -fno-sanitize-recover=all"; do
 done
 
 # ---- the CPU matrix product: every format at awkward sizes against a float64 reference, and T tokens
-# equal to each alone; bf16 goes to the tile unit (AMX) in the -march=native build on a CPU that has
-# one, to dot_rows in the plain build (run under the sanitizers) ----
+# equal to each alone; bf16 goes to the tile unit (AMX) in the -march=native builds on a CPU that has
+# one, to dot_rows in the plain build; both also under the sanitizers ----
 native=$(cc -march=native -E -x c /dev/null >/dev/null 2>&1 && echo -march=native)
 omp=$(echo 'int main(void){return 0;}' | cc -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
-for san in "" "-fsanitize=address,undefined -fno-sanitize-recover=all"; do
-    [ -n "$san" ] && ! full && continue
-    tag=$([ -z "$san" ] && echo "cpu $native" || echo asan)
-    flags=$([ -z "$san" ] && echo "-O2 $native $omp" || echo "-O1 -g $san")
+sanflags="-fsanitize=address,undefined -fno-sanitize-recover=all"
+builds=("cpu $native|-O2 $native $omp")   # tag|flags
+full && builds+=("asan|-O1 -g $sanflags")
+full && [ -n "$native" ] && builds+=("asan $native|-O1 -g $native $omp $sanflags")
+for b in "${builds[@]}"; do
+    tag=${b%%|*} flags=${b#*|}
     if out=$(cc -std=c11 $flags -o "$T/test_matmul" tests/test_matmul.c -lm -lpthread 2>&1 && "$T/test_matmul" 2>&1); then
         pass "$tag matrix products against a float64 reference ($(grep '^bf16:' <<< "$out"); $(tail -1 <<< "$out"))"
     else fail "$tag matrix products against a float64 reference" "$(grep -v '^ok' <<< "$out" | tail -20)"; fi
