@@ -213,7 +213,7 @@ typedef struct {
     float **ssm;                /* [n_all] Mamba: [spec + 1, m_heads, m_hdim, d_state] fp32 states in slots:
                                    the state in slot at[l]; a forward run with r->keep leaves token t's in
                                    slot (at + t) % (spec + 1), so a rewind moves at[l] and copies nothing */
-    int *at, *base;             /* [n_all] Mamba: the state's slot; the last keep forward's token 0's */
+    int *at, *base;             /* [n_all] Mamba: the state's slot; the slot of the last keep forward's token 0 */
     float **k, **v;             /* [n_all] attention: [ctx, kv*head_dim] cache */
     float **keep;               /* [n_all] Mamba, with drafting: [spec, conv, d_conv-1] conv windows after
                                    each token but the last of a forward run with r->keep */
@@ -333,8 +333,9 @@ static float dot_row(const Mat *W, int i, const float *x) {
  * step's verify forward and a prompt get cheap. The unit multiplies bf16 by bf16 only, so each x is
  * split exactly into three bf16 parts, x = hi + mid + lo (fp32's 24 mantissa bits, 8 each, by
  * truncation; parts below fp32's normal range flush to 0): each product of a bf16 weight and a part is
- * exact in fp32 and the unit adds them in fp32, so the sum is dot_rows' fp32 product summed in another
- * order, the same for every T. */
+ * exact in fp32, and the unit sums them in fp32 in its own fixed order, each part in a column of its
+ * own, the three added at the end. A column's sum depends on that column alone: the same for every T
+ * (the rounding differs from dot_rows', by about as much as dot_rows' differs from float64). */
 #define AMX_TOK 5               /* tokens one tile of x holds: 16 columns, 3 parts each */
 #define AMX_PACK (1 << 19)      /* uint16 a thread packs x into: 16 * K for every AMX_TOK tokens */
 
@@ -361,7 +362,7 @@ static int amx_fits(const Mat *W) {
 /* x = hi + mid + lo: hi = x's top 16 bits, mid = the top 16 bits of x - hi, lo = the rest (exact). Token t
  * of a group is column t of hi, 5 + t of mid, 10 + t of lo; a tile row holds the pair of columns k, k + 1. */
 static void amx_pack(const float *x, size_t ldx, int T, int K32) {
-    memset(amx_x, 0, (size_t)(T + AMX_TOK - 1) / AMX_TOK * K32 * 16 * sizeof *amx_x);
+    /* columns no token fills keep what they held: they only feed sums that are not read */
     for (int t = 0; t < T; t++)
         for (int k = 0; k < K32; k++) {
             float v = x[(size_t)t * ldx + k], hi, mid, lo;
@@ -615,7 +616,9 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
                 const float *Si = Sin + (size_t)p * N, *B = Bt + g * N, *C = Ct + g * N;
                 float *So = Sout + (size_t)p * N, xv = xt[h * hdim + p], y = 0, lane[8] = {0};
                 int n = 0;
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC ivdep   /* So is Si (in place) or another slot: gcc's overlap check sent in place to scalar code */
+#endif
                 for (; n + 8 <= N; n += 8)
                     for (int j = 0; j < 8; j++) {
                         So[n + j] = dA * Si[n + j] + dt * xv * B[n + j];
@@ -630,8 +633,7 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
             }
         }
     }
-    st->base[l] = at;
-    if (r->keep) st->at[l] = (at + T - 1) % slots;
+    if (r->keep) st->base[l] = at, st->at[l] = (at + T - 1) % slots;
 
     /* u = y * silu(z), then RMSNorm over each group of d_inner/groups channels, times norm.weight */
     for (int t = 0; t < T; t++) {
@@ -4157,7 +4159,7 @@ static void usage(void) {
           "  --mtp K            draft K tokens a step with the model's multi-token prediction block and verify\n"
           "                     them in one forward (0..8; default: 1 on the CPU at -t 0, else 0, as measured fastest)\n"
           "  --mtp-vocab N      draft among the first N token ids only (BPE's most frequent; default on the CPU:\n"
-          "                     vocab_size / 8, on a GPU: all); each MTP pass computes N rows of lm_head\n"
+          "                     vocab_size / 8 rounded up, on a GPU: all); each MTP pass computes N rows of lm_head\n"
           "  --dump-mtp FILE    float32 logits of the MTP block, one row per position (the token after it known),\n"
           "                     of the --mtp-vocab ids\n"
           "  --tp N|all         tensor-parallel ranks (default 1; all: every visible GPU)\n"
@@ -4324,8 +4326,8 @@ int main(int argc, char **argv) {
     int mtp_in_config = e.c.n_mtp > 0;
     if (mtp < 0) mtp = e.c.n_mtp ? mtp_default(gpus > 0, do_bench ? 0 : o.temp) : 0;
     if (!mtp) e.c.n_mtp = 0;   /* the block is not read: --mtp 0 runs a model whose MTP tensors are broken */
-    if (mtp_path && !mtp) die("--dump-mtp: needs drafting (a model with an MTP block, and not --mtp 0)");
-    if (mtp_vocab && !mtp) die("--mtp-vocab: needs drafting (a model with an MTP block, and not --mtp 0)");
+    if (mtp_path && !mtp) die("--dump-mtp: needs drafting (a model with an MTP block, and --mtp K where it is not on by default)");
+    if (mtp_vocab && !mtp) die("--mtp-vocab: needs drafting (a model with an MTP block, and --mtp K where it is not on by default)");
     if (mtp_vocab > e.c.vocab) die("--mtp-vocab %d: the vocabulary has %d tokens", mtp_vocab, e.c.vocab);
 
     /* the tokenizer: --tokenizer FILE, else the model directory's tokenizer.json when there is one */

@@ -121,10 +121,11 @@ done
 # one, to dot_rows in the plain build; both also under the sanitizers ----
 native=$(cc -march=native -E -x c /dev/null >/dev/null 2>&1 && echo -march=native)
 omp=$(echo 'int main(void){return 0;}' | cc -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
+fpc=$(cc -ffp-contract=fast -E -x c /dev/null >/dev/null 2>&1 && echo -ffp-contract=fast)   # as the Makefile builds
 sanflags="-fsanitize=address,undefined -fno-sanitize-recover=all"
-builds=("cpu $native|-O2 $native $omp")   # tag|flags
+builds=("cpu $native|-O2 $native $fpc $omp")   # tag|flags
 full && builds+=("asan|-O1 -g $sanflags")
-full && [ -n "$native" ] && builds+=("asan $native|-O1 -g $native $omp $sanflags")
+full && [ -n "$native" ] && builds+=("asan $native|-O1 -g $native $fpc $omp $sanflags")
 for b in "${builds[@]}"; do
     tag=${b%%|*} flags=${b#*|}
     if out=$(cc -std=c11 $flags -o "$T/test_matmul" tests/test_matmul.c -lm -lpthread 2>&1 && "$T/test_matmul" 2>&1); then
