@@ -465,6 +465,17 @@ words=$(printf '%s' "$out" | wc -w)
 [[ $out == "Once upon a time"* ]] && [ "$words" -ge 15 ] && pass "./nemoh \"Once upon a time\" prints a continuation ($words words)" \
     || fail "./nemoh \"Once upon a time\" prints a continuation" "$out"
 
+# drafting by default where it measured faster (mtp_default): one draft a step on the CPU when greedy,
+# none when sampling; the tokens are plain decoding's either way
+g0=$(./nemoh --cpu "Once upon a time" -n 40 -t 0 --mtp 0 2>/dev/null)
+gd=$(./nemoh --cpu "Once upon a time" -n 40 -t 0 2>"$T/gd.err")
+grep -q '^nemoh: mtp: 1 draft a step among ids below 1024;' "$T/gd.err" && [ "$gd" = "$g0" ] \
+    && pass "default model, CPU, -t 0: one draft a step by default, the tokens of --mtp 0" \
+    || fail "default model, CPU, -t 0: one draft a step by default, the tokens of --mtp 0" "$gd"$'\n'"$g0"$'\n'"$(cat "$T/gd.err")"
+./nemoh --cpu "Once upon a time" -n 8 -s 3 2>"$T/gs.err" >/dev/null
+grep -q 'mtp:' "$T/gs.err" && fail "default model, CPU, sampled: no drafting by default" "$(cat "$T/gs.err")" \
+    || pass "default model, CPU, sampled: no drafting by default"
+
 # ---- the first five minutes: what a new user sees ----
 # the line at load: layers by kind, parameters (the safetensors headers' element counts; with MoE the
 # active ones: of the routed experts only top_k), storage format, context, backend, sampling
@@ -596,6 +607,9 @@ else
         tests/fixtures/default-ref/mtp_logits.bin 5e-2
     g0=$(./nemoh -m weights -n 64 -t 0 --mtp 0 "Once upon a time" 2>/dev/null)
     same "GPU default model: greedy with its trained drafts (--mtp 3) = without" "$(./nemoh -m weights -n 64 -t 0 --mtp 3 "Once upon a time" 2>/dev/null)" "$g0"
+    ./nemoh -m weights -n 8 -t 0 "Once upon a time" 2>"$T/gpu-gd.err" >/dev/null
+    grep -q 'mtp:' "$T/gpu-gd.err" && fail "GPU default model, greedy: no drafting by default (slower there)" "$(cat "$T/gpu-gd.err")" \
+        || pass "GPU default model, greedy: no drafting by default (slower there)"
     chat_turns ./nemoh "$T/chat-mtp" "GPU chat --mtp 3" 2e-4 - --mtp 3
     refuse "GPU bad input: --mtp-vocab on the CUDA backend" "--mtp-vocab: the CUDA backend drafts among the whole vocabulary" \
         ./nemoh -m tests/fixtures/tiny-mtp-f32 --ids 1 --mtp 2 --mtp-vocab 8
