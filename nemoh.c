@@ -186,7 +186,8 @@ static const char *shard_sizes(Shard *s, const Config *c, int rank, int n) {
 }
 
 /* ------------------------------------------------------------------------------------------------
- * CPU backend: the plain-C reference, fp32 arithmetic on the stored weights
+ * CPU backend: the plain-C reference, fp32 arithmetic on the stored weights (bf16 products on the
+ * AMX tile unit where the build has one: exact products, fp32 sums)
  * ---------------------------------------------------------------------------------------------- */
 
 typedef struct {
