@@ -363,7 +363,8 @@ static int amx_fits(const Mat *W) {
 /* x = hi + mid + lo: hi = x's top 16 bits, mid = the top 16 bits of x - hi, lo = the rest (exact). Token t
  * of a group is column t of hi, 5 + t of mid, 10 + t of lo; a tile row holds the pair of columns k, k + 1. */
 static void amx_pack(const float *x, size_t ldx, int T, int K32) {
-    /* columns no token fills keep what they held: they only feed sums that are not read */
+    /* every thread packs x for itself (no barrier; x is small beside W); columns no token fills keep
+       what they held: they only feed sums that are not read */
     for (int t = 0; t < T; t++)
         for (int k = 0; k < K32; k++) {
             float v = x[(size_t)t * ldx + k], hi, mid, lo;
@@ -613,24 +614,13 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
             const float *Sin = st->ssm[l] + (size_t)(r->keep ? (at + (t ? t - 1 : 0)) % slots : at) * ns + hs;
             float *Sout = st->ssm[l] + (size_t)(r->keep ? (at + t) % slots : at) * ns + hs;
             for (int p = 0; p < hdim; p++) {
-                /* y's sum in 8 lanes, so the compiler vectorizes the loop, then the rest, then the lanes */
-                const float *Si = Sin + (size_t)p * N, *B = Bt + g * N, *C = Ct + g * N;
-                float *So = Sout + (size_t)p * N, xv = xt[h * hdim + p], y = 0, lane[8] = {0};
-                int n = 0;
+                const float *Si = Sin + (size_t)p * N, *B = Bt + g * N;
+                float *So = Sout + (size_t)p * N, xv = xt[h * hdim + p];
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC ivdep   /* So is Si (in place) or another slot: gcc's overlap check sent in place to scalar code */
 #endif
-                for (; n + 8 <= N; n += 8)
-                    for (int j = 0; j < 8; j++) {
-                        So[n + j] = dA * Si[n + j] + dt * xv * B[n + j];
-                        lane[j] += So[n + j] * C[n + j];
-                    }
-                for (; n < N; n++) {
-                    So[n] = dA * Si[n] + dt * xv * B[n];
-                    y += So[n] * C[n];
-                }
-                for (int j = 0; j < 8; j++) y += lane[j];
-                st->y[(size_t)t * di + h * hdim + p] = y + L->D[h] * xv;
+                for (int n = 0; n < N; n++) So[n] = dA * Si[n] + dt * xv * B[n];
+                st->y[(size_t)t * di + h * hdim + p] = dot(So, Ct + g * N, N) + L->D[h] * xv;
             }
         }
     }
