@@ -210,13 +210,14 @@ typedef struct {
     float *xbc;                 /* [t_max, conv] conv1d + SiLU output */
     float *y;                   /* [t_max, max(d_inner, q*head_dim)] mixer output before out_proj */
     float *att;                 /* [q heads, ctx] attention weights of one query, a row a head */
-    float **conv;               /* [n_all] Mamba: [conv, d_conv-1] last inputs, oldest first */
+    float **conv;               /* [n_all] Mamba: [d_conv-1, conv] last inputs, oldest first */
+    float **convw;              /* [n_all] Mamba: [d_conv, conv] the conv weights by tap, a token's channels in lanes */
     float **ssm;                /* [n_all] Mamba: [spec + 1, m_heads, m_hdim, d_state] fp32 states in slots:
                                    the state in slot at[l]; a forward run with r->keep leaves token t's in
                                    slot (at + t) % (spec + 1), so a rewind moves at[l] and copies nothing */
     int *at, *base;             /* [n_all] Mamba: the state's slot; the slot of the last keep forward's token 0 */
     float **k, **v;             /* [n_all] attention: [ctx, kv*head_dim] cache */
-    float **keep;               /* [n_all] Mamba, with drafting: [spec, conv, d_conv-1] conv windows after
+    float **keep;               /* [n_all] Mamba, with drafting: [spec, d_conv-1, conv] conv windows after
                                    each token but the last of a forward run with r->keep */
     float *eh;                  /* [t_max, 2 * hidden] MTP: [enorm(embed) ; hnorm(h)] */
     float *snap;                /* [SNAPSHOT_SLOTS, snap_n] saved conv windows + SSM states, made at first save */
@@ -469,6 +470,7 @@ static void cpu_init(Rank *r) {
     st->att = xcalloc((size_t)(s->q ? s->q : 1) * (size_t)r->ctx, sizeof(float));
     size_t nl = (size_t)n_all(c), nc = (size_t)s->conv * (size_t)(c->d_conv - 1), ns = (size_t)s->d_inner * (size_t)c->d_state;
     st->conv = xcalloc(nl, sizeof(float *));
+    st->convw = xcalloc(nl, sizeof(float *));
     st->ssm = xcalloc(nl, sizeof(float *));
     st->at = xcalloc(nl, sizeof(int));
     st->base = xcalloc(nl, sizeof(int));
@@ -479,6 +481,9 @@ static void cpu_init(Rank *r) {
     for (int l = 0; l < n_all(c); l++) {
         if (c->kind[l] == K_MAMBA) {
             st->conv[l] = xcalloc(nc, sizeof(float));
+            st->convw[l] = xcalloc((size_t)c->d_conv * (size_t)s->conv, sizeof(float));
+            for (int ch = 0; ch < s->conv; ch++)
+                for (int j = 0; j < c->d_conv; j++) st->convw[l][(size_t)j * s->conv + ch] = r->w.layer[l].conv_w[(size_t)ch * c->d_conv + j];
             st->ssm[l] = xcalloc((size_t)(r->spec + 1) * ns, sizeof(float));
             if (r->spec) st->keep[l] = xcalloc((size_t)r->spec * nc, sizeof(float));
         } else if (c->kind[l] == K_ATTN) {
@@ -506,8 +511,8 @@ static void cpu_init(Rank *r) {
 
 static void cpu_free(Rank *r) {
     CpuState *st = r->st;
-    for (int l = 0; l < n_all(r->c); l++) { free(st->conv[l]); free(st->ssm[l]); free(st->k[l]); free(st->v[l]); free(st->keep[l]); }
-    free(st->conv); free(st->ssm); free(st->k); free(st->v); free(st->keep); free(st->at); free(st->base); free(st->eh);
+    for (int l = 0; l < n_all(r->c); l++) { free(st->conv[l]); free(st->convw[l]); free(st->ssm[l]); free(st->k[l]); free(st->v[l]); free(st->keep[l]); }
+    free(st->conv); free(st->convw); free(st->ssm); free(st->k); free(st->v); free(st->keep); free(st->at); free(st->base); free(st->eh);
     free(st->res); free(st->x); free(st->pend); free(st->sum); free(st->proj); free(st->xbc); free(st->y);
     free(st->att); free(st->snap);
     free(st->route); free(st->route_w); free(st->escore); free(st->ez); free(st->eacc); free(st->ein); free(st->eout);
@@ -579,22 +584,22 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
     int off = 0;
     for (int k = 0; k < 5; off += L->in_proj[k].rows, k++) matmul(st->proj + off, in, st->x, hidden, T, &L->in_proj[k]);
 
-    /* xbc[t] = silu(bias + sum_j w[j] * in[t - (K-1) + j]): causal depthwise conv over x|B|C. The
-     * channels are independent: the rank's threads take whole channels, each shifting its window of
-     * the last K - 1 inputs in place a token at a time (threads only where the work pays for them) */
-#pragma omp parallel for num_threads(cpu_threads) schedule(static) if (cv * T >= 1024)
-    for (int ch = 0; ch < cv; ch++) {
-        float *win = st->conv[l] + (size_t)ch * (K - 1);
-        const float *w = L->conv_w + (size_t)ch * K;
-        for (int t = 0; t < T; t++) {
-            float in_t = st->proj[(size_t)t * in + di + ch], acc = L->conv_b[ch];
-            for (int j = 0; j < K - 1; j++) acc += w[j] * win[j];
-            acc += w[K - 1] * in_t;
-            for (int j = 0; j < K - 2; j++) win[j] = win[j + 1];
-            win[K - 2] = in_t;
-            st->xbc[(size_t)t * cv + ch] = silu(acc);
-            for (int j = 0; r->keep && t < T - 1 && j < K - 1; j++) st->keep[l][t * nc + (size_t)ch * (K - 1) + j] = win[j];
+    /* xbc[t] = silu(bias + sum_j w[j] * in[t - (K-1) + j]): causal depthwise conv over x|B|C, a token
+     * at a time with its channels in lanes; the window of the last K - 1 inputs then shifts by one */
+    float *win = st->conv[l];
+    const float *w = st->convw[l];
+    for (int t = 0; t < T; t++) {
+        const float *in_t = st->proj + (size_t)t * in + di;
+        float *out = st->xbc + (size_t)t * cv;
+        memcpy(out, L->conv_b, (size_t)cv * sizeof(float));
+        for (int j = 0; j < K - 1; j++)
+            for (int ch = 0; ch < cv; ch++) out[ch] += w[(size_t)j * cv + ch] * win[(size_t)j * cv + ch];
+        for (int ch = 0; ch < cv; ch++) out[ch] = silu(out[ch] + w[(size_t)(K - 1) * cv + ch] * in_t[ch]);
+        if (K > 1) {
+            memmove(win, win + cv, (size_t)(K - 2) * cv * sizeof(float));
+            memcpy(win + (size_t)(K - 2) * cv, in_t, (size_t)cv * sizeof(float));
         }
+        if (r->keep && t < T - 1) memcpy(st->keep[l] + (size_t)t * nc, win, nc * sizeof(float));
     }
 
     /* the selective scan, per head h of group g = h / (heads per group):
@@ -666,7 +671,8 @@ static void cpu_attention(Rank *r, int l, int T, int pos) {
                 att[j] = dot(q, st->k[l] + (size_t)j * kw + kvh * hd, hd) * scale;
                 if (att[j] > mx) mx = att[j];
             }
-            for (int j = 0; j < n; j++) sum += att[j] = expf(att[j] - mx);
+            for (int j = 0; j < n; j++) att[j] = fast_exp(att[j] - mx);
+            for (int j = 0; j < n; j++) sum += att[j];
             float *out = st->y + (size_t)t * qw + h * hd;
             memset(out, 0, (size_t)hd * sizeof(float));
             for (int j = 0; j < n; j++) {

@@ -304,12 +304,26 @@ static inline float mat_at(const Mat *W, size_t i, size_t k) {
     return load_f32(W->data, W->dtype, i * W->ld + k);
 }
 
-/* e^x: the GPU's fast approximation (__expf, a few ulp) in kernels, libm's expf on the host. */
+/* e^x: the GPU's fast approximation (__expf, a few ulp) in kernels; on the host, without branches so
+ * that loops over it run in lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7
+ * (truncation under 1e-8, relative), 2^n made in the exponent bits. x is held to [-87.3, 88.3], where
+ * 2^n stays a normal float: below, e^x is some 1e-38 for 0; NaN stays NaN. */
 static inline NEMOH_HD float fast_exp(float x) {
 #ifdef __CUDA_ARCH__
     return __expf(x);
 #else
-    return expf(x);
+    x = x < -87.3f ? -87.3f : x;
+    x = x > 88.3f ? 88.3f : x;
+    float t = x * 1.44269504f + 12582912.0f;   /* 1.5 * 2^23: n = round(x / ln2) lands in t's low bits */
+    float n = t - 12582912.0f;
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187e-6f;   /* ln2 in two parts: n * hi is exact */
+    float p = 1 + r * (1 + r * (1.0f / 2 + r * (1.0f / 6 + r * (1.0f / 24 + r * (1.0f / 120 + r * (1.0f / 720 + r * (1.0f / 5040)))))));
+    uint32_t u;
+    memcpy(&u, &t, 4);
+    u = (u - 0x4B400000u + 127u) << 23;        /* (n + 127) << 23: 2^n */
+    float s;
+    memcpy(&s, &u, 4);
+    return p * s;
 #endif
 }
 

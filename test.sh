@@ -118,7 +118,7 @@ done
 
 # ---- the CPU matrix product: every format at awkward sizes against a float64 reference, and T tokens
 # equal to each alone; bf16 goes to the tile unit (AMX) in the -march=native builds on a CPU that has
-# one, to dot_rows in the plain build; both also under the sanitizers ----
+# one, to dot_rows in the plain build; both also under the sanitizers. And the host's e^x ----
 native=$(cc -march=native -E -x c /dev/null >/dev/null 2>&1 && echo -march=native)
 omp=$(echo 'int main(void){return 0;}' | cc -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
 fpc=$(cc -ffp-contract=fast -E -x c /dev/null >/dev/null 2>&1 && echo -ffp-contract=fast)   # as the Makefile builds
@@ -129,8 +129,8 @@ full && [ -n "$native" ] && builds+=("asan $native|-O1 -g $native $fpc $omp $san
 for b in "${builds[@]}"; do
     tag=${b%%|*} flags=${b#*|}
     if out=$(cc -std=c11 $flags -o "$T/test_matmul" tests/test_matmul.c -lm -lpthread 2>&1 && "$T/test_matmul" 2>&1); then
-        pass "$tag matrix products against a float64 reference ($(grep '^bf16:' <<< "$out"); $(tail -1 <<< "$out"))"
-    else fail "$tag matrix products against a float64 reference" "$(grep -v '^ok' <<< "$out" | tail -20)"; fi
+        pass "$tag matrix products and e^x against a float64 reference ($(grep '^bf16:' <<< "$out"); $(tail -1 <<< "$out"))"
+    else fail "$tag matrix products and e^x against a float64 reference" "$(grep -v '^ok' <<< "$out" | tail -20)"; fi
 done
 
 # ---- quantized checkpoints (ModelOpt FP8, NVFP4, MIXED_PRECISION): nemoh's dequantization of every
