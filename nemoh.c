@@ -324,6 +324,8 @@ static float dot_row(const Mat *W, int i, const float *x) {
     return s;
 }
 
+#define MATMUL_MAX 5            /* matrices one matmul_n takes: Mamba's in_proj segments */
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -361,29 +363,45 @@ static int amx_fits(const Mat *W) {
            (size_t)(W->cols - W->cols % 32) * 16 <= AMX_PACK;
 }
 
-/* x = hi + mid + lo: hi = x's top 16 bits, mid = the top 16 bits of x - hi, lo = the rest (exact). Token t
- * of a group is column t of hi, 5 + t of mid, 10 + t of lo; a tile row holds the pair of columns k, k + 1. */
+/* v = hi + mid + lo, each part's top 16 bits (bf16) in b: hi = v's top 16 bits, mid the top 16 bits of
+ * v - hi, lo the rest (exact) */
+static inline void amx_split(float v, uint32_t b[3]) {
+    uint32_t u;
+    float part;
+    memcpy(&u, &v, 4), b[0] = u >> 16, u &= 0xFFFF0000u, memcpy(&part, &u, 4);
+    v -= part;
+    memcpy(&u, &v, 4), b[1] = u >> 16, u &= 0xFFFF0000u, memcpy(&part, &u, 4);
+    v -= part;
+    memcpy(&u, &v, 4), b[2] = u >> 16;
+}
+
+/* x in the tile layout: token t of a group is column t of hi, 5 + t of mid, 10 + t of lo; a tile row is
+ * the pair of x's columns 2q, 2q + 1, a 32-bit word a tile column. */
 static void amx_pack(const float *x, size_t ldx, int T, int K32) {
     /* every thread packs x for itself (no barrier; x is small beside W); columns no token fills keep
        what they held: they only feed sums that are not read */
-    for (int t = 0; t < T; t++)
-        for (int k = 0; k < K32; k++) {
-            float v = x[(size_t)t * ldx + k], hi, mid, lo;
-            uint32_t u;
-            memcpy(&u, &v, 4), u &= 0xFFFF0000u, memcpy(&hi, &u, 4);
-            v -= hi;
-            memcpy(&u, &v, 4), u &= 0xFFFF0000u, memcpy(&mid, &u, 4);
-            lo = v - mid;
-            uint16_t *p = amx_x + (size_t)(t / AMX_TOK) * K32 * 16 + (size_t)k / 32 * 512 + k % 32 / 2 * 32 + k % 2 + t % AMX_TOK * 2;
-            float part[3] = {hi, mid, lo};
-            for (int j = 0; j < 3; j++) memcpy(&u, &part[j], 4), p[j * 2 * AMX_TOK] = (uint16_t)(u >> 16);
+    uint32_t *w = (uint32_t *)amx_x;
+    for (int t = 0; t < T; t++) {
+        const float *xt = x + (size_t)t * ldx;
+        uint32_t *o = w + (size_t)(t / AMX_TOK) * K32 * 8 + t % AMX_TOK;
+        for (int q = 0; q < K32 / 2; q++) {
+            uint32_t a[3], b[3];
+            amx_split(xt[2 * q], a);
+            amx_split(xt[2 * q + 1], b);
+            for (int j = 0; j < 3; j++) o[16 * q + j * AMX_TOK] = a[j] | b[j] << 16;
         }
+    }
 }
 
-/* matmul() on the tile unit: rows 16 at a time, tokens AMX_TOK at a time, the last rows % 16 by dot_rows. */
-static void matmul_amx(float *out, int ldo, const float *x, int ldx, int T, const Mat *W) {
-    int K = W->cols, K32 = K - K % 32, R16 = W->rows - W->rows % 16, chunk = AMX_PACK / (K32 * 16) * AMX_TOK;
-    const uint16_t *w = W->data;
+/* matmul_n() on the tile unit: the rows of every matrix that fits 16 at a time, tokens AMX_TOK at a
+ * time; the rest (a matrix's last rows % 16, a matrix that does not fit) by dot_rows. */
+static void matmul_amx(float *out, int ldo, const float *x, int ldx, int T, const Mat *W, int n) {
+    int K = W[0].cols, K32 = K - K % 32, chunk = AMX_PACK / (K32 * 16) * AMX_TOK, blocks = 0, rest = 0;
+    int first[MATMUL_MAX];   /* matrix m's rows from first[m] on go by dot_rows */
+    for (int m = 0; m < n; m++) {
+        first[m] = amx_fits(&W[m]) ? W[m].rows - W[m].rows % 16 : 0;
+        blocks += first[m] / 16, rest += W[m].rows - first[m];
+    }
     AmxTiles cfg = {.palette = 1};
     for (int j = 0; j < 3; j++) cfg.rows[j] = 16, cfg.colsb[j] = 64;   /* 0: 16 rows of W x 32 columns (bf16);
         1: x's same 32 columns, 16 pairs x 16 columns; 2: the sums, 16 rows x 16 columns (fp32) */
@@ -396,43 +414,62 @@ static void matmul_amx(float *out, int ldo, const float *x, int ldx, int T, cons
             amx_pack(xt, (size_t)ldx, nt, K32);
             _tile_loadconfig(&cfg);
 #pragma omp for schedule(static)
-            for (int i = 0; i < R16; i += 16)
+            for (int b = 0; b < blocks; b++) {
+                int m = 0, i = 16 * b, off = 0;   /* block b: rows i.. of matrix m, out's columns off + i.. */
+                for (; i >= first[m]; m++) i -= first[m], off += W[m].rows;
+                const uint16_t *w = W[m].data;
                 for (int g = 0; g * AMX_TOK < nt; g++) {
                     float c[16][16];
                     _tile_zero(2);
                     for (int k = 0; k < K32; k += 32) {
-                        _tile_loadd(0, w + (size_t)i * W->ld + k, (long)W->ld * 2);
+                        _tile_loadd(0, w + (size_t)i * W[m].ld + k, (long)W[m].ld * 2);
                         _tile_loadd(1, amx_x + (size_t)g * K32 * 16 + (size_t)k * 16, 64);
                         _tile_dpbf16ps(2, 0, 1);
                     }
                     _tile_stored(2, c, 64);
-                    for (int m = 0; m < 16; m++)
+                    for (int r = 0; r < 16; r++)
                         for (int t = g * AMX_TOK; t < nt && t < (g + 1) * AMX_TOK; t++) {
                             int j = t % AMX_TOK;
-                            float s = c[m][2 * AMX_TOK + j] + c[m][AMX_TOK + j] + c[m][j];
-                            for (int k = K32; k < K; k++) s += bf16_to_f32(w[(size_t)(i + m) * W->ld + k]) * xt[(size_t)t * ldx + k];
-                            ot[(size_t)t * ldo + i + m] = s;
+                            float s = c[r][2 * AMX_TOK + j] + c[r][AMX_TOK + j] + c[r][j];
+                            for (int k = K32; k < K; k++) s += bf16_to_f32(w[(size_t)(i + r) * W[m].ld + k]) * xt[(size_t)t * ldx + k];
+                            ot[(size_t)t * ldo + off + i + r] = s;
                         }
                 }
+            }
             _tile_release();
 #pragma omp for schedule(static)
-            for (int i = R16; i < W->rows; i++) dot_rows(W, i, xt, (size_t)ldx, nt, ot + i, (size_t)ldo);
+            for (int q = 0; q < rest; q++) {
+                int m = 0, i = q, off = 0;
+                for (; i >= W[m].rows - first[m]; m++) i -= W[m].rows - first[m], off += W[m].rows;
+                dot_rows(&W[m], first[m] + i, xt, (size_t)ldx, nt, ot + off + first[m] + i, (size_t)ldo);
+            }
         }
     }
 }
 #endif
 
-/* out[t][i] = sum_k W[i][k] * x[t][k] for T rows of x; the rows of W split over the rank's threads. */
-static void matmul(float *out, int ldo, const float *x, int ldx, int T, const Mat *W) {
+/* out[t][i] = sum_k W[i][k] * x[t][k] for T rows of x, for n matrices of the same input at once, matrix
+ * m's rows in out's columns after those of the matrices before it (one pass over the rank's threads:
+ * Mamba's in_proj segments, attention's q, k, v); the rows split over the threads. */
+static void matmul_n(float *out, int ldo, const float *x, int ldx, int T, const Mat *W, int n) {
 #ifdef NEMOH_AMX
-    if (amx_fits(W)) {
-        matmul_amx(out, ldo, x, ldx, T, W);
-        return;
-    }
+    for (int m = 0; m < n; m++)
+        if (amx_fits(&W[m])) {
+            matmul_amx(out, ldo, x, ldx, T, W, n);
+            return;
+        }
 #endif
+    int rows = 0;
+    for (int m = 0; m < n; m++) rows += W[m].rows;
 #pragma omp parallel for num_threads(cpu_threads) schedule(static)
-    for (int i = 0; i < W->rows; i++) dot_rows(W, i, x, (size_t)ldx, T, out + i, (size_t)ldo);
+    for (int q = 0; q < rows; q++) {
+        int m = 0, i = q;
+        for (; i >= W[m].rows; m++) i -= W[m].rows;
+        dot_rows(&W[m], i, x, (size_t)ldx, T, out + q, (size_t)ldo);
+    }
 }
+
+static void matmul(float *out, int ldo, const float *x, int ldx, int T, const Mat *W) { matmul_n(out, ldo, x, ldx, T, W, 1); }
 
 /* sum a[i] * b[i] over n elements in fp32: in 8 lanes (a float sum in order is a chain the compiler
  * cannot vectorize), then the rest, then the lanes */
@@ -581,8 +618,7 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
     size_t nc = (size_t)cv * (size_t)(K - 1), ns = (size_t)di * N;
 
     /* [z | x | B | C | dt] = in_proj(x), each segment from its own row slice */
-    int off = 0;
-    for (int k = 0; k < 5; off += L->in_proj[k].rows, k++) matmul(st->proj + off, in, st->x, hidden, T, &L->in_proj[k]);
+    matmul_n(st->proj, in, st->x, hidden, T, L->in_proj, 5);
 
     /* xbc[t] = silu(bias + sum_j w[j] * in[t - (K-1) + j]): causal depthwise conv over x|B|C, a token
      * at a time with its channels in lanes; the window of the last K - 1 inputs then shifts by one */
@@ -650,9 +686,8 @@ static void cpu_attention(Rank *r, int l, int T, int pos) {
     int hidden = c->hidden, hd = c->head_dim, qw = s->q * hd, kw = s->kv * hd, qkv_w = qw + 2 * kw;
     int q_per_kv = c->n_heads / c->n_kv;
     float scale = 1.0f / sqrtf((float)hd);
-    matmul(st->proj, qkv_w, st->x, hidden, T, &L->wq);
-    matmul(st->proj + qw, qkv_w, st->x, hidden, T, &L->wk);
-    matmul(st->proj + qw + kw, qkv_w, st->x, hidden, T, &L->wv);
+    Mat qkv[3] = {L->wq, L->wk, L->wv};
+    matmul_n(st->proj, qkv_w, st->x, hidden, T, qkv, 3);
     for (int t = 0; t < T; t++) {
         memcpy(st->k[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * qkv_w + qw, (size_t)kw * sizeof(float));
         memcpy(st->v[l] + (size_t)(pos + t) * kw, st->proj + (size_t)t * qkv_w + qw + kw, (size_t)kw * sizeof(float));

@@ -8,8 +8,11 @@
  *     forward relies on it);
  *   - with one weight of 1 a row, every output equals its x exactly (x with all 24 mantissa bits:
  *     a product that drops any part of x fails).
- * Then the host's fast_exp (branch-free, so loops over it run in lanes) against float64's exp: within
- * 3 ulp at every 61st float in [-87.3, 88.3], clamped outside, NaN kept; silu and softplus through it.
+ * Then matmul_n, several matrices of one input in one pass (Mamba's in_proj segments, attention's q, k,
+ * v): each matrix's outputs equal, bit for bit, what its own matmul gives, with formats and sizes mixed
+ * so that some rows go to the tile unit and some to dot_rows in the same pass. And the host's fast_exp
+ * (branch-free, so loops over it run in lanes) against float64's exp: within 3 ulp at every 61st float
+ * in [-87.3, 88.3], clamped outside, NaN kept; silu and softplus through it.
  * Runs on two threads. Prints which path bf16 took (the last three shapes are large enough for the tile
  * unit), then "N passed, M failed". */
 #define NEMOH_NO_MAIN
@@ -108,6 +111,31 @@ int main(void) {
                 }
                 free(buf), free(bs), free(x), free(out), free(one);
             }
+
+    /* matmul_n: matrices of one input side by side, each as it is alone */
+    const int sets[][MATMUL_MAX][2] = {{{DT_BF16, 300}, {DT_BF16, 37}, {DT_BF16, 12}, {DT_BF16, 256}, {DT_BF16, 16}},
+                                       {{DT_FP8, 37}, {DT_BF16, 400}, {DT_NVFP4, 33}, {DT_BF16, 1}, {DT_F32, 20}}};
+    for (size_t si = 0; si < sizeof sets / sizeof *sets; si++)
+        for (int n = 1; n <= MATMUL_MAX; n += MATMUL_MAX - 1) {
+            int K = 128, ldo = 0;
+            Mat W[MATMUL_MAX];
+            void *buf[MATMUL_MAX];
+            uint8_t *bs[MATMUL_MAX];
+            for (int m = 0; m < n; m++) W[m] = make(sets[si][m][0], sets[si][m][1], K, K + 16, 0, &buf[m], &bs[m]), ldo += W[m].rows;
+            for (int T = 1; T <= 7; T += 6) {
+                float *x = xmalloc((size_t)T * K * sizeof *x), *out = xmalloc((size_t)T * ldo * sizeof *out);
+                float *alone = xmalloc((size_t)T * ldo * sizeof *alone);
+                for (int i = 0; i < T * K; i++) x[i] = (float)(uni() * 2 - 1);
+                matmul_n(out, ldo, x, K, T, W, n);
+                for (int m = 0, off = 0; m < n; off += W[m].rows, m++) matmul(alone + off, ldo, x, K, T, &W[m]);
+                long bad = 0;
+                for (int i = 0; i < T * ldo; i++) bad += memcmp(&out[i], &alone[i], 4) != 0;
+                if (bad) fail++, printf("FAILED matmul_n of %d matrices (set %zu), %d tokens: %ld outputs differ from each matrix's own matmul\n", n, si, T, bad);
+                else pass++;
+                free(x), free(out), free(alone);
+            }
+            for (int m = 0; m < n; m++) free(buf[m]), free(bs[m]);
+        }
 
     /* fast_exp against exp in float64 */
     double worst = 0;
