@@ -6,7 +6,8 @@ Runs on the GPU machine (transformers 5.17 NemotronHForCausalLM, pure-torch path
 Writes weights/{config.json, model.safetensors, tokenizer.json, train_log.json} in NVIDIA's layout, and
 a held-out reference (token ids and HF float32 logits on the stored bf16 weights) for test.sh;
 --ref-only skips training and writes the reference for the weights already in weights/ (and, when they
-carry an MTP block, its mtp_logits.bin). Training the base model anew drops the MTP block: run --mtp again.
+carry an MTP block, its mtp_logits.bin). Training the base model anew drops the MTP block: run --mtp again
+(and then tools/distill_mtp.py, which trains the block toward the model's own choices).
 
 --mtp seconds: adds a multi-token-prediction (MTP) block to the model already in weights/, which stays
 frozen and bit-identical. The block is Nemotron 3's (shared/notes/mtp.md), pattern "*-": eh_proj over
