@@ -1261,10 +1261,10 @@ typedef struct {
 
 /* Drafts a step when the model has an MTP block and --mtp is not given: the count that measured
  * fastest on the default model (its trained block; bench/RESULTS.md, "Drafting with the MTP block").
- * On the CPU, greedy: 1 (1.1x over eight prompts). Sampled, a greedy draft is accepted only when the
- * draw equals it (acceptance length 1.25 at one draft, 0.87x), and on one H200 every count measured
- * slower: none. */
-static int mtp_default(int gpu, float temp) { return !gpu && temp <= 0 ? 1 : 0; }
+ * On the CPU, greedy: 2 (1.45x over eight prompts; 1 gives 1.29x, 3 1.41x). Sampled, a greedy draft
+ * is accepted only when the draw equals it (acceptance length 1.27 at one draft, 0.91x), and on one
+ * H200 every count measured slower: none. */
+static int mtp_default(int gpu, float temp) { return !gpu && temp <= 0 ? 2 : 0; }
 
 static void *tok_grow(void *p, size_t *cap, size_t need, size_t size);
 static int *parse_ids(const char *s, int *n);
@@ -4189,7 +4189,7 @@ static void usage(void) {
           "  --print-ids        print generated token ids instead of text (the default without a tokenizer)\n"
           "  --dump-logits FILE float32 logits, one row of vocab_size per forward position\n"
           "  --mtp K            draft K tokens a step with the model's multi-token prediction block and verify\n"
-          "                     them in one forward (0..8; default: 1 on the CPU at -t 0, else 0, as measured fastest)\n"
+          "                     them in one forward (0..8; default: 2 on the CPU at -t 0, else 0, as measured fastest)\n"
           "  --mtp-vocab N      draft among the first N token ids only (BPE's most frequent; default on the CPU:\n"
           "                     vocab_size / 8 rounded up, on a GPU: all); each MTP pass computes N rows of lm_head\n"
           "  --dump-mtp FILE    float32 logits of the MTP block, one row per position (the token after it known),\n"
