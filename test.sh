@@ -370,10 +370,12 @@ else
     wait_pane stop ">" && "${X[@]}" send-keys -t stop C-c
     wait_pane stop "EXITED 130" && pass "chat under tmux: Ctrl-C at the prompt ends nemoh (status 130)" \
         || fail "chat under tmux: Ctrl-C at the prompt ends nemoh (status 130)" "$("${X[@]}" capture-pane -p -t stop)"
-    # a reply of thousands of tokens (the context raised to let it run), stopped by Ctrl-C once it shows
-    "${X[@]}" new-session -d -s long -x 160 -y 20 "./nemoh -m $C/nano-v2 --chat -t 0 -c 8000 --cpu 2>/dev/null; echo EXITED \$?; sleep 60"
-    wait_pane long ">" && "${X[@]}" send-keys -t long "Hello there" Enter
-    wait_pane long "$(./nemoh -m $C/nano-v2 --chat "Hello there" -t 0 -n 4 --cpu 2>/dev/null | tr -cd A-Za-z)" && "${X[@]}" send-keys -t long C-c
+    # a reply of thousands of tokens (the context raised to let it run: "Hi" gets 15,458, seconds on this
+    # CPU; a reply that ended before the Ctrl-C arrived would leave it to end nemoh at the prompt), stopped
+    # by Ctrl-C once it shows
+    "${X[@]}" new-session -d -s long -x 160 -y 20 "./nemoh -m $C/nano-v2 --chat -t 0 -c 30000 --cpu 2>/dev/null; echo EXITED \$?; sleep 60"
+    wait_pane long ">" && "${X[@]}" send-keys -t long "Hi" Enter
+    wait_pane long "$(./nemoh -m $C/nano-v2 --chat "Hi" -t 0 -n 4 --cpu 2>/dev/null | tr -cd A-Za-z)" && "${X[@]}" send-keys -t long C-c
     for _ in $(seq 300); do [ "$("${X[@]}" capture-pane -p -t long | grep . | tail -1)" = ">" ] && break; sleep 0.1; done
     "${X[@]}" send-keys -t long "/exit" Enter
     wait_pane long "EXITED 0" && pass "chat under tmux: Ctrl-C stops a reply and returns to the prompt; /exit then ends" \
