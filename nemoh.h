@@ -306,12 +306,13 @@ static inline float mat_at(const Mat *W, size_t i, size_t k) {
 
 /* e^x: the GPU's fast approximation (__expf, a few ulp) in kernels; on the host, without branches so
  * that loops over it run in lanes: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7
- * (truncation under 1e-8, relative), 2^n made in the exponent bits. x is held to [-87.3, 88.3], where
- * 2^n stays a normal float: below, e^x is some 1e-38 for 0; NaN stays NaN. */
+ * (truncation under 1e-8, relative), 2^n made in the exponent bits, for x in [-87.3, 88.3], where 2^n
+ * stays a normal float; below it 0, above it infinity; NaN stays NaN. */
 static inline NEMOH_HD float fast_exp(float x) {
 #ifdef __CUDA_ARCH__
     return __expf(x);
 #else
+    float x0 = x;
     x = x < -87.3f ? -87.3f : x;
     x = x > 88.3f ? 88.3f : x;
     float t = x * 1.44269504f + 12582912.0f;   /* 1.5 * 2^23: n = round(x / ln2) lands in t's low bits */
@@ -323,7 +324,9 @@ static inline NEMOH_HD float fast_exp(float x) {
     u = (u - 0x4B400000u + 127u) << 23;        /* (n + 127) << 23: 2^n */
     float s;
     memcpy(&s, &u, 4);
-    return p * s;
+    p *= s;
+    p = x0 < -87.3f ? 0.0f : p;
+    return x0 > 88.3f ? INFINITY : p;
 #endif
 }
 
