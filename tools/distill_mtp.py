@@ -20,8 +20,10 @@ budget; kept: the weights of the best held-out depth-1 agreement (mean over held
 
 Then, before anything is written, the oracle: a float64 torch forward of the whole model and the MTP
 block written out here from the notes' formulas must reproduce ref_logits.bin (transformers' float32
-logits) and the previous block's mtp_logits.bin (transformers' oracle) within 1e-4; it then computes
-the new block's mtp_logits.bin. Writes weights/model.safetensors (the mtp.* bytes in place, header and
+logits) and the previous block's mtp_logits.bin within 1e-4 (made by transformers' oracle for the
+first block; after a run of this script, by this oracle: run it from the first block, `git show
+28fb754:weights/model.safetensors` and that commit's mtp_logits.bin, for the check to mean something);
+it then computes the new block's mtp_logits.bin. Writes weights/model.safetensors (the mtp.* bytes in place, header and
 base tensors unchanged), tests/fixtures/default-ref/mtp_logits.bin and ref.json's mtp entry, and
 train_log.json's "mtp_distill" section."""
 import json, math, os, struct, sys, time
