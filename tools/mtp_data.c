@@ -23,20 +23,6 @@ static uint16_t to_bf16(float f) {   /* round to nearest even */
     return (uint16_t)((u + 0x7fff + (u >> 16 & 1)) >> 16);
 }
 
-/* Every Mamba layer's conv window and SSM state to zero: the next forward starts a sequence. */
-static void reset_state(Engine *e) {
-    for (int i = 0; i < e->n; i++) {
-        Rank *r = &e->rank[i];
-        CpuState *st = r->st;
-        size_t nc = (size_t)r->s.conv * (size_t)(e->c.d_conv - 1), ns = (size_t)r->s.d_inner * (size_t)e->c.d_state;
-        for (int l = 0; l < e->c.n_layers; l++) {
-            if (e->c.kind[l] != K_MAMBA) continue;
-            memset(st->conv[l], 0, nc * sizeof(float));
-            memset(st->ssm[l] + (size_t)st->at[l] * ns, 0, ns * sizeof(float));
-        }
-    }
-}
-
 /* h rows 0..T-1 of the last forward, after norm_f, appended as bf16 */
 static void take_h(Engine *e, int T, uint16_t *out) {
     const float *x = ((CpuState *)e->rank[0].st)->x;
@@ -82,6 +68,7 @@ int main(int argc, char **argv) {
     build_checkpoint(&ck, dir);
     cpu_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     build_engine(&e, &ck, &cpu_backend, 1, W, W, 1, 1, 0, 0);
+    engine_snapshot(&e, 0, 1);   /* slot 0: the empty state, each window's start */
     int H = e.c.hidden, nw = P ? count : n / W;
     if (nw > n / W) die("greedy: %d windows asked, the split has %d", nw, n / W);
     FILE *f = fopen(argv[5], "wb");
@@ -91,7 +78,7 @@ int main(int argc, char **argv) {
     uint16_t *h = xmalloc((size_t)W * (size_t)H * sizeof *h);
     double t0 = now_s();
     for (int i = 0; i < nw; i++) {
-        reset_state(&e);
+        engine_snapshot(&e, 0, 0);
         const int *src = ids + (size_t)(P ? (long)i * (n / W) / nw : i) * W;
         if (!P) {   /* the window's text in one forward */
             memcpy(win, src, W * sizeof *win);
