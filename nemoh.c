@@ -241,6 +241,31 @@ static float fp8_tab[256];
 static void fp8_tab_fill(void) { for (int b = 0; b < 256; b++) fp8_tab[b] = e4m3_to_f32((uint8_t)b); }
 static pthread_once_t fp8_once = PTHREAD_ONCE_INIT;
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define NEMOH_AVX512
+/* 16 FP8 or NVFP4 elements as fp32, mat_at's values bit for bit, in one AVX-512 register (a build
+ * with -march=native on such a machine; elsewhere dot_groups decodes them one at a time: a 4096 x 2048
+ * product on one core of a 2-core AMD EPYC took 2.34 ms in FP8 and 2.54 in NVFP4 so, 1.78 and 0.87 in
+ * lanes, against 1.23 in bf16).
+ * FP8: the seven low bits of an E4M3 code under an f16's exponent (bias 15 against 7) and its sign
+ * on top make the value times 2^-8, subnormals included; the hardware widens f16 to fp32 exactly;
+ * 0x7F and 0xFF are NaN. */
+static inline __m512 fp8_lanes(const uint8_t *p, float scale) {
+    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), m = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
+    __m256i h = _mm256_or_si256(_mm256_slli_epi16(m, 7), _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f)), _mm512_set1_ps(scale));
+    return _mm512_mask_mov_ps(v, _mm256_cmpeq_epi16_mask(m, _mm256_set1_epi16(0x7F)), _mm512_set1_ps(NAN));
+}
+
+/* NVFP4: 8 bytes, the 16 E2M1 codes in element order (low nibble first) picking from the 16 values. */
+static inline __m512 nvfp4_lanes(const uint8_t *p, float sc) {
+    __m128i b = _mm_loadl_epi64((const __m128i *)p), f = _mm_set1_epi8(15);
+    __m128i n = _mm_unpacklo_epi8(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f));
+    return _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(n), _mm512_loadu_ps(e2m1_values)), _mm512_set1_ps(sc));
+}
+#endif
+
 /* acc[t][j] = sum W[i][k + j] * x[t][k + j] over k = 0, 16, .. < n16, j < 16, t < NT: each group of 16
  * weights dequantized once (as mat_at() does) for NT tokens, dotted in 16 lanes. Compiled once for
  * each NT (dot_groups1..4, not inlined) and each format, the lanes of each in arrays of 8 of its own:
@@ -274,11 +299,19 @@ static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_
         DOT_GROUPS(uint32_t u[16]; for (int j = 0; j < 16; j++) u[j] = (uint32_t)p[k + j] << 16; memcpy(w, u, sizeof w))
     } else if (W->dtype == DT_FP8) {
         const uint8_t *p = (const uint8_t *)W->data + i * W->ld;
+#ifdef NEMOH_AVX512
+        DOT_GROUPS(_mm512_storeu_ps(w, fp8_lanes(p + k, W->scale)))
+#else
         DOT_GROUPS(for (int j = 0; j < 16; j++) w[j] = fp8_tab[p[k + j]] * W->scale)
+#endif
     } else if (W->dtype == DT_NVFP4) {   /* two elements a byte, a block scale per 16 */
         const uint8_t *p = (const uint8_t *)W->data + i * W->ld / 2;
+#ifdef NEMOH_AVX512
+        DOT_GROUPS(_mm512_storeu_ps(w, nvfp4_lanes(p + k / 2, nvfp4_block_scale(W, i, (size_t)k))))
+#else
         DOT_GROUPS(float sc = nvfp4_block_scale(W, i, (size_t)k);
                    for (int j = 0; j < 16; j++) w[j] = e2m1_to_f32(p[k / 2 + j / 2] >> 4 * (j & 1)) * sc)
+#endif
     }
 }
 #undef DOT_GROUPS

@@ -275,10 +275,8 @@ static inline float e4m3_to_f32(uint8_t b) {
 }
 
 /* FP4 E2M1: bit 3 the sign, bits 0-2 index {0, 0.5, 1, 1.5, 2, 3, 4, 6}. */
-static inline float e2m1_to_f32(unsigned n) {
-    static const float v[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-    return v[n & 15];
-}
+static const float e2m1_values[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+static inline float e2m1_to_f32(unsigned n) { return e2m1_values[n & 15]; }
 
 /* Element i of a stored row of a plain (unscaled) dtype, as fp32. */
 static inline float load_f32(const void *p, int dtype, size_t i) {

@@ -8,13 +8,14 @@
  *     forward relies on it);
  *   - with one weight of 1 a row, every output equals its x exactly (x with all 24 mantissa bits:
  *     a product that drops any part of x fails).
+ * Where the build decodes FP8 and NVFP4 in AVX-512 lanes, every code against mat_at, bit for bit.
  * Then matmul_n, several matrices of one input in one pass (Mamba's in_proj segments, attention's q, k,
  * v): each matrix's outputs equal, bit for bit, what its own matmul gives, with formats and sizes mixed
  * so that some rows go to the tile unit and some to dot_rows in the same pass. And the host's fast_exp
  * (branch-free, so loops over it run in lanes) against float64's exp: within 3 ulp at every 997th float
  * in [-87.3, 88.3], 0 below, infinity above, NaN kept; silu and softplus through it.
- * Runs on two threads. Prints which path bf16 took (the last three shapes are large enough for the tile
- * unit), then "N passed, M failed". */
+ * Runs on two threads. Prints which paths bf16 and the quantized formats took (the last three shapes
+ * are large enough for the tile unit), then "N passed, M failed". */
 #define NEMOH_NO_MAIN
 #include "../nemoh.c"
 
@@ -62,6 +63,33 @@ int main(void) {
     printf("bf16: %s\n", amx_fits(&(Mat){.dtype = DT_BF16, .rows = 16, .cols = 4096}) ? "the tile unit (AMX)" : "dot_rows (the tile unit refused)");
 #else
     printf("bf16: dot_rows (a build without AMX)\n");
+#endif
+#ifdef NEMOH_AVX512
+    /* FP8 and NVFP4 in AVX-512 lanes: every FP8 code (NaN included) and every NVFP4 byte under every
+       block scale that is not NaN, against mat_at, bit for bit */
+    uint8_t codes[256], scales[128];
+    for (int b = 0; b < 256; b++) codes[b] = (uint8_t)b;
+    long lane_bad = 0;
+    for (int sc = 0; sc < 127; sc++) {
+        scales[0] = (uint8_t)sc;
+        Mat q8 = {.data = codes, .dtype = DT_FP8, .rows = 1, .cols = 256, .ld = 256, .scale = 0.37f};
+        Mat q4 = {.data = codes, .dtype = DT_NVFP4, .rows = 1, .cols = 32, .ld = 512, .bs = scales, .bld = 1, .scale = 0.37f};
+        float got[16];
+        for (int g = 0; g < 16; g++) {
+            _mm512_storeu_ps(got, fp8_lanes(codes + 16 * g, q8.scale));
+            for (int j = 0; j < 16; j++) { float want = mat_at(&q8, 0, (size_t)(16 * g + j)); lane_bad += memcmp(&got[j], &want, 4) != 0; }
+        }
+        for (int g = 0; g < 32; g++) {   /* 32 groups of 8 bytes: all 256, each group under scales[0] */
+            q4.data = codes + 8 * g;
+            _mm512_storeu_ps(got, nvfp4_lanes(codes + 8 * g, nvfp4_block_scale(&q4, 0, 0)));
+            for (int j = 0; j < 16; j++) { float want = mat_at(&q4, 0, (size_t)j); lane_bad += memcmp(&got[j], &want, 4) != 0; }
+        }
+    }
+    printf("fp8, nvfp4: AVX-512 lanes\n");
+    if (lane_bad) fail++, printf("FAILED FP8 and NVFP4 in AVX-512 lanes: %ld values differ from mat_at\n", lane_bad);
+    else pass++;
+#else
+    printf("fp8, nvfp4: one element at a time (a build without AVX-512)\n");
 #endif
     for (size_t d = 0; d < sizeof dtypes / sizeof *dtypes; d++)
         for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++)
