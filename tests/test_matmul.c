@@ -14,7 +14,7 @@
  * so that some rows go to the tile unit and some to dot_rows in the same pass. And the host's fast_exp
  * (branch-free, so loops over it run in lanes) against float64's exp: within 3 ulp at every 997th float
  * in [-87.3, 88.3], 0 below, infinity above, NaN kept; silu and softplus through it.
- * Runs on two threads. Prints which paths bf16 and the quantized formats took (the last three shapes
+ * Runs on two threads. Prints which paths the products took (the last three shapes
  * are large enough for the tile unit), then "N passed, M failed". */
 #define NEMOH_NO_MAIN
 #include "../nemoh.c"
@@ -85,11 +85,11 @@ int main(void) {
             for (int j = 0; j < 16; j++) { float want = mat_at(&q4, 0, (size_t)j); lane_bad += memcmp(&got[j], &want, 4) != 0; }
         }
     }
-    printf("fp8, nvfp4: AVX-512 lanes\n");
+    printf("dot_rows: AVX-512 registers (bf16, FP8, NVFP4)\n");
     if (lane_bad) fail++, printf("FAILED FP8 and NVFP4 in AVX-512 lanes: %ld values differ from mat_at\n", lane_bad);
     else pass++;
 #else
-    printf("fp8, nvfp4: one element at a time (a build without AVX-512)\n");
+    printf("dot_rows: arrays of lanes (a build without AVX-512)\n");
 #endif
     for (size_t d = 0; d < sizeof dtypes / sizeof *dtypes; d++)
         for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++)
