@@ -236,11 +236,6 @@ typedef struct {
 
 static int cpu_threads = 1;     /* OpenMP threads per rank: the cores shared among the ranks */
 
-/* e4m3_to_f32 of every byte, made once (pthread_once: the ranks' threads share it). */
-static float fp8_tab[256];
-static void fp8_tab_fill(void) { for (int b = 0; b < 256; b++) fp8_tab[b] = e4m3_to_f32((uint8_t)b); }
-static pthread_once_t fp8_once = PTHREAD_ONCE_INIT;
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define NEMOH_AVX512
@@ -263,6 +258,12 @@ static inline __m512 nvfp4_lanes(const uint8_t *p, float sc) {
     return _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(n), _mm512_loadu_ps(e2m1_values)), _mm512_set1_ps(sc));
 }
 #endif
+
+#ifndef NEMOH_AVX512
+/* e4m3_to_f32 of every byte, made once (pthread_once: the ranks' threads share it). */
+static float fp8_tab[256];
+static void fp8_tab_fill(void) { for (int b = 0; b < 256; b++) fp8_tab[b] = e4m3_to_f32((uint8_t)b); }
+static pthread_once_t fp8_once = PTHREAD_ONCE_INIT;
 
 /* acc[t][j] = sum W[i][k + j] * x[t][k + j] over k = 0, 16, .. < n16, j < 16, t < NT: each group of 16
  * weights dequantized once (as mat_at() does) for NT tokens, dotted in 16 lanes. Compiled once for
@@ -287,22 +288,6 @@ static inline __m512 nvfp4_lanes(const uint8_t *p, float sc) {
             memcpy(acc[t] + 8, hi[t], sizeof hi[t]);                                              \
         }                                                                                         \
     }
-#ifdef NEMOH_AVX512
-/* DOT_GROUPS with 16 weights in an AVX-512 register (bf16 widened, fp8_lanes, nvfp4_lanes): a register
- * of sums a token, each lane summed in DOT_GROUPS' order, so the sums are the same. From DOT_GROUPS'
- * arrays gcc made 8 scalar sums of hi[] for one token. A 4096 x 2048 product for 1 and 4 tokens on one
- * core of the 2-core AMD EPYC (no AMX), best of 30: bf16 1.15 and 1.25 ms before, 0.50 and 1.23 now;
- * FP8 2.33 and 2.34 (a table read a byte), 0.68 and 0.93; NVFP4 2.55 and 2.83, 0.85 and 0.98. */
-#define DOT_LANES(W16)                                                                                                  \
-    {                                                                                                                   \
-        __m512 s[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};             \
-        for (int k = 0; k < n16; k += 16) {                                                                             \
-            __m512 w = W16;                                                                                             \
-            for (int t = 0; t < NT; t++) s[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + (size_t)t * ldx + k), s[t]); \
-        }                                                                                                               \
-        for (int t = 0; t < 4; t++) _mm512_storeu_ps(acc[t], s[t]);                                                     \
-    }
-#endif
 static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_t i, const float *restrict x, size_t ldx, int n16,
                                                              const int NT, float acc[4][16]) {
     if (W->dtype == DT_F32) {
@@ -310,69 +295,132 @@ static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_
         DOT_GROUPS(memcpy(w, p + k, sizeof w))
     } else if (W->dtype == DT_BF16) {   /* bf16 is the top half of an fp32 (bf16_to_f32), 16 at once */
         const uint16_t *p = (const uint16_t *)W->data + i * W->ld;
-#ifdef NEMOH_AVX512
-        DOT_LANES(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + k))), 16)))
-#else
         DOT_GROUPS(uint32_t u[16]; for (int j = 0; j < 16; j++) u[j] = (uint32_t)p[k + j] << 16; memcpy(w, u, sizeof w))
-#endif
     } else if (W->dtype == DT_FP8) {
         const uint8_t *p = (const uint8_t *)W->data + i * W->ld;
-#ifdef NEMOH_AVX512
-        DOT_LANES(fp8_lanes(p + k, W->scale))
-#else
         DOT_GROUPS(for (int j = 0; j < 16; j++) w[j] = fp8_tab[p[k + j]] * W->scale)
-#endif
     } else if (W->dtype == DT_NVFP4) {   /* two elements a byte, a block scale per 16 */
         const uint8_t *p = (const uint8_t *)W->data + i * W->ld / 2;
-#ifdef NEMOH_AVX512
-        DOT_LANES(nvfp4_lanes(p + k / 2, nvfp4_block_scale(W, i, (size_t)k)))
-#else
         DOT_GROUPS(float sc = nvfp4_block_scale(W, i, (size_t)k);
                    for (int j = 0; j < 16; j++) w[j] = e2m1_to_f32(p[k / 2 + j / 2] >> 4 * (j & 1)) * sc)
-#endif
     }
 }
 #undef DOT_GROUPS
-#undef DOT_LANES
-#define DOT_GROUPS_NT(NT)                                                                                               \
-    static __attribute__((noinline)) void dot_groups##NT(const Mat *W, size_t i, const float *x, size_t ldx, int n16, \
-                                                         float acc[4][16]) {                                          \
-        dot_groups(W, i, x, ldx, n16, NT, acc);                                                                        \
-    }
-DOT_GROUPS_NT(1)
-DOT_GROUPS_NT(2)
-DOT_GROUPS_NT(3)
-DOT_GROUPS_NT(4)
-#undef DOT_GROUPS_NT
+#endif
 
-/* out[t * ldo] = row i of W dotted with x[t * ldx], for t < T: sum_k W[i][k] * x[t][k] in fp32, in 16
- * lanes (dot_groups), then the tail, then the lanes in order: the same sums for every T, so a
- * drafting step's verify forward gives each token what a forward of its own would. Tokens go 4 at a
- * time (the weights read once for them). F16 goes element by element. */
-static void dot_rows(const Mat *W, int i, const float *x, size_t ldx, int T, float *out, size_t ldo) {
+#ifdef NEMOH_AVX512
+/* dot_groups in AVX-512 registers for R rows i0 .. i0 + R - 1 (R <= 2): 16 weights of a row a
+ * register (bf16 widened, fp8_lanes, nvfp4_lanes), a register of sums a row and token, each x read
+ * once for both rows; the sums of its lanes then by the hardware's tree (the same for every T and R).
+ * Two rows' streams are prefetched 1 KB ahead: 4 tokens of a 16384 x 2048 bf16 product on both cores
+ * took 3.88 ms a row at a time, 2.67 two rows at a time, 2.11 with the prefetch (best of five).
+ * From dot_groups' arrays gcc made 8 scalar sums of hi[] for one token. The default model's lm_head
+ * (8192 x 384) for 1 and 4 tokens on one core of the 2-core AMD EPYC (no AMX), best of 30: bf16 452 and
+ * 444 us with dot_groups, 163 and 291 now; FP8 984 and 1056 (a table read a byte), 260 and 390; NVFP4
+ * 1080 and 1240, 373 and 420. */
+#define DOT_LANES(DEC)                                                       \
+    for (int k = 0; k < n16; k += 16) {                                      \
+        __m512 w[2];                                                         \
+        for (int r = 0; r < R && R > 1; r++) _mm_prefetch(p[r] + k * bytes2 / 2 + 1024, _MM_HINT_T0); \
+        for (int r = 0; r < R; r++) w[r] = DEC(r);                           \
+        for (int t = 0; t < NT; t++) {                                       \
+            __m512 xt = _mm512_loadu_ps(x + (size_t)t * ldx + k);             \
+            for (int r = 0; r < R; r++) s[r][t] = _mm512_fmadd_ps(w[r], xt, s[r][t]); \
+        }                                                                    \
+    }
+static inline __attribute__((always_inline)) void dot_lanes(const Mat *W, size_t i0, const int R, const float *restrict x, size_t ldx,
+                                                            int n16, const int NT, float sum[2][4]) {
+    const size_t i[2] = {i0, i0 + 1};
+    __m512 s[2][4];
+    for (int t = 0; t < 4; t++) s[0][t] = s[1][t] = _mm512_setzero_ps();
+    const char *p[2];
+    size_t bytes2 = W->dtype == DT_F32 ? 8 : W->dtype == DT_BF16 ? 4 : W->dtype == DT_FP8 ? 2 : 1;   /* twice an element's */
+    for (int r = 0; r < R; r++) p[r] = (const char *)W->data + i[r] * W->ld * bytes2 / 2;
+    if (W->dtype == DT_F32) {
+#define F32_16(r) _mm512_loadu_ps((const float *)p[r] + k)
+        DOT_LANES(F32_16)
+    } else if (W->dtype == DT_BF16) {
+#define BF16_16(r) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p[r] + k))), 16))
+        DOT_LANES(BF16_16)
+    } else if (W->dtype == DT_FP8) {
+#define FP8_16(r) fp8_lanes((const uint8_t *)p[r] + k, W->scale)
+        DOT_LANES(FP8_16)
+    } else if (W->dtype == DT_NVFP4) {
+#define NVFP4_16(r) nvfp4_lanes((const uint8_t *)p[r] + k / 2, nvfp4_block_scale(W, i[r], (size_t)k))
+        DOT_LANES(NVFP4_16)
+    }
+#undef F32_16
+#undef BF16_16
+#undef FP8_16
+#undef NVFP4_16
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < NT; t++) sum[r][t] = _mm512_reduce_add_ps(s[r][t]);
+}
+#undef DOT_LANES
+#endif
+
+/* sum[r][t]: the first n16 columns of row i + r (r < R <= 2) dotted with x[t * ldx] (t < NT), the lanes
+ * of dot_groups added in order (dot_lanes: its registers' sums); compiled once for each R and NT (not
+ * inlined). */
+#define DOT_GROUPS_NT(R, NT)                                                                                          \
+    static __attribute__((noinline)) void dot_groups##R##NT(const Mat *W, size_t i, const float *x, size_t ldx, int n16, \
+                                                            float sum[2][4]) {                                        \
+        DOT_ROWS_NT(R, NT)                                                                                            \
+    }
+#ifdef NEMOH_AVX512
+#define DOT_ROWS_NT(R, NT) dot_lanes(W, i, R, x, ldx, n16, NT, sum);
+#else
+#define DOT_ROWS_NT(R, NT)                                                     \
+    for (int r = 0; r < R; r++) {                                              \
+        float acc[4][16] = {{0}};                                              \
+        dot_groups(W, i + (size_t)r, x, ldx, n16, NT, acc);                    \
+        for (int t = 0; t < NT; t++) {                                         \
+            sum[r][t] = 0;                                                     \
+            for (int j = 0; j < 16; j++) sum[r][t] += acc[t][j];               \
+        }                                                                      \
+    }
+#endif
+DOT_GROUPS_NT(1, 1)
+DOT_GROUPS_NT(1, 2)
+DOT_GROUPS_NT(1, 3)
+DOT_GROUPS_NT(1, 4)
+DOT_GROUPS_NT(2, 1)
+DOT_GROUPS_NT(2, 2)
+DOT_GROUPS_NT(2, 3)
+DOT_GROUPS_NT(2, 4)
+#undef DOT_GROUPS_NT
+#undef DOT_ROWS_NT
+
+/* out[t * ldo + r] = row i + r of W dotted with x[t * ldx], for r < R (R <= 2) and t < T: sum_k
+ * W[i + r][k] * x[t][k] in fp32, the groups of 16 in lanes (dot_groupsRNT), then the elements past
+ * them: the same sums for every T and R, so a drafting step's verify forward gives each token what a
+ * forward of its own would. Tokens go 4 at a time (the weights read once for them). F16 goes element
+ * by element. */
+static void dot_rows(const Mat *W, int i, int R, const float *x, size_t ldx, int T, float *out, size_t ldo) {
     int n = W->cols, n16 = W->dtype == DT_F16 ? 0 : W->dtype == DT_NVFP4 ? n : n - n % 16;
+#ifndef NEMOH_AVX512
     if (W->dtype == DT_FP8) pthread_once(&fp8_once, fp8_tab_fill);
+#endif
     for (int t0 = 0; t0 < T; t0 += 4) {
         int nt = T - t0 < 4 ? T - t0 : 4;
-        float acc[4][16] = {{0}};
+        float sum[2][4];
         const float *xt = x + (size_t)t0 * ldx;
-        if (nt == 1) dot_groups1(W, (size_t)i, xt, ldx, n16, acc);
-        else if (nt == 2) dot_groups2(W, (size_t)i, xt, ldx, n16, acc);
-        else if (nt == 3) dot_groups3(W, (size_t)i, xt, ldx, n16, acc);
-        else dot_groups4(W, (size_t)i, xt, ldx, n16, acc);
-        for (int t = 0; t < nt; t++) {
-            float s = 0;
-            for (int k = n16; k < n; k++) s += mat_at(W, (size_t)i, (size_t)k) * xt[(size_t)t * ldx + k];
-            for (int j = 0; j < 16; j++) s += acc[t][j];
-            out[(size_t)(t0 + t) * ldo] = s;
-        }
+        static void (*const groups[2][4])(const Mat *, size_t, const float *, size_t, int, float[2][4]) = {
+            {dot_groups11, dot_groups12, dot_groups13, dot_groups14}, {dot_groups21, dot_groups22, dot_groups23, dot_groups24}};
+        groups[R - 1][nt - 1](W, (size_t)i, xt, ldx, n16, sum);
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < nt; t++) {
+                float s = sum[r][t];
+                for (int k = n16; k < n; k++) s += mat_at(W, (size_t)(i + r), (size_t)k) * xt[(size_t)t * ldx + k];
+                out[(size_t)(t0 + t) * ldo + r] = s;
+            }
     }
 }
 
 /* Row i of W dotted with x (the router's). */
 static float dot_row(const Mat *W, int i, const float *x) {
     float s;
-    dot_rows(W, i, x, 0, 1, &s, 0);
+    dot_rows(W, i, 1, x, 0, 1, &s, 0);
     return s;
 }
 
@@ -493,7 +541,7 @@ static void matmul_amx(float *out, int ldo, const float *x, int ldx, int T, cons
             for (int q = 0; q < rest; q++) {
                 int m = 0, i = q, off = 0;
                 for (; i >= W[m].rows - first[m]; m++) i -= W[m].rows - first[m], off += W[m].rows;
-                dot_rows(&W[m], first[m] + i, xt, (size_t)ldx, nt, ot + off + first[m] + i, (size_t)ldo);
+                dot_rows(&W[m], first[m] + i, 1, xt, (size_t)ldx, nt, ot + off + first[m] + i, (size_t)ldo);
             }
         }
     }
@@ -514,10 +562,11 @@ static void matmul_n(float *out, int ldo, const float *x, int ldx, int T, const 
     int rows = 0;
     for (int m = 0; m < n; m++) rows += W[m].rows;
 #pragma omp parallel for num_threads(cpu_threads) schedule(static)
-    for (int q = 0; q < rows; q++) {
+    for (int q = 0; q < rows; q++) {   /* several tokens: rows 2j and 2j + 1 of a matrix together */
         int m = 0, i = q;
         for (; i >= W[m].rows; m++) i -= W[m].rows;
-        dot_rows(&W[m], i, x, (size_t)ldx, T, out + q, (size_t)ldo);
+        if (T > 1 && i % 2 == 0 && i + 1 < W[m].rows) dot_rows(&W[m], i, 2, x, (size_t)ldx, T, out + q, (size_t)ldo);
+        else if (T == 1 || i % 2 == 0) dot_rows(&W[m], i, 1, x, (size_t)ldx, T, out + q, (size_t)ldo);
     }
 }
 
@@ -1313,9 +1362,10 @@ typedef struct {
 
 /* Drafts a step when the model has an MTP block and --mtp is not given: the count that measured
  * fastest on the default model (its trained block; bench/RESULTS.md, "Drafting with the MTP block").
- * On the CPU, greedy: 2 (1.45x over eight prompts; 1 gives 1.29x, 3 1.41x). Sampled, a greedy draft
- * is accepted only when the draw equals it (acceptance length 1.27 at one draft, 0.91x), and on one
- * H200 every count measured slower: none. */
+ * On the CPU, greedy: 2 (over eight prompts, 1.45x on the 2-core Xeon, whose AMX tile unit runs the
+ * bf16 products; 1 gives 1.29x, 3 1.41x; on the 2-core AMD EPYC, without one, 1.09x, 1 1.07x). Sampled,
+ * a greedy draft is accepted only when the draw equals it (acceptance length 1.27 at one draft, 0.91x),
+ * and on one H200 every count measured slower: none. */
 static int mtp_default(int gpu, float temp) { return !gpu && temp <= 0 ? 2 : 0; }
 
 static void *tok_grow(void *p, size_t *cap, size_t need, size_t size);
