@@ -266,8 +266,9 @@ static void fp8_tab_fill(void) { for (int b = 0; b < 256; b++) fp8_tab[b] = e4m3
 static pthread_once_t fp8_once = PTHREAD_ONCE_INIT;
 
 /* acc[t][j] = sum W[i][k + j] * x[t][k + j] over k = 0, 16, .. < n16, j < 16, t < NT: each group of 16
- * weights dequantized once (as mat_at() does) for NT tokens, dotted in 16 lanes. Compiled once for
- * each NT (dot_groups1..4, not inlined) and each format, the lanes of each in arrays of 8 of its own:
+ * weights dequantized once (as mat_at() does) for NT tokens, dotted in 16 lanes (a build without
+ * AVX-512; dot_lanes below otherwise). Compiled once for each NT (dot_groupsRNT, not inlined) and each
+ * format, the lanes of each in arrays of 8 of its own:
  * so gcc keeps them in registers. With one [4][16] array for every format, inlined into dot_rows,
  * it kept them on the stack, a store and a load a group: 4 tokens of an 8192 x 384 bf16 product took
  * 760 to 800 us on one core of the 2-core Xeon, 550 us now (1 token: 300 us either way;
