@@ -313,12 +313,12 @@ static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_
 /* dot_groups in AVX-512 registers for R rows i0 .. i0 + R - 1 (R <= 2): 16 weights of a row a
  * register (bf16 widened, fp8_lanes, nvfp4_lanes), a register of sums a row and token, each x read
  * once for both rows; the sums of its lanes then by the hardware's tree (the same for every T and R).
- * Two rows' streams are prefetched 1 KB ahead: 4 tokens of a 16384 x 2048 bf16 product on both cores
- * took 3.88 ms a row at a time, 2.67 two rows at a time, 2.11 with the prefetch (best of five).
- * From dot_groups' arrays gcc made 8 scalar sums of hi[] for one token. The default model's lm_head
- * (8192 x 384) for 1 and 4 tokens on one core of the 2-core AMD EPYC (no AMX), best of 30: bf16 452 and
- * 444 us with dot_groups, 163 and 291 now; FP8 984 and 1056 (a table read a byte), 260 and 390; NVFP4
- * 1080 and 1240, 373 and 420. */
+ * From dot_groups' arrays gcc made 8 scalar sums of hi[] for one token. Two rows' streams are
+ * prefetched 1 KB ahead: 4 tokens of a 16384 x 2048 bf16 product on both cores took 3.88 ms a row at a
+ * time, 2.67 two rows at a time, 2.11 with the prefetch. The default model's lm_head (8192 x 384) for
+ * 1 and 4 tokens on one core of the 2-core AMD EPYC (no AMX): bf16 452 and 444 us with dot_groups,
+ * 168 and 247 here; FP8 984 and 1056 (a table read a byte), 259 and 379; NVFP4 1080 and 1240, 374
+ * and 428 (the best of 30 calls, of five runs). */
 #define DOT_LANES(DEC)                                                       \
     for (int k = 0; k < n16; k += 16) {                                      \
         __m512 w[2];                                                         \
