@@ -316,9 +316,9 @@ static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_
  * From dot_groups' arrays gcc made 8 scalar sums of hi[] for one token. Two rows' streams are
  * prefetched 1 KB ahead: 4 tokens of a 16384 x 2048 bf16 product on both cores took 3.88 ms a row at a
  * time, 2.67 two rows at a time, 2.11 with the prefetch. The default model's lm_head (8192 x 384) for
- * 1 and 4 tokens on one core of the 2-core AMD EPYC (no AMX): bf16 452 and 444 us with dot_groups,
- * 168 and 247 here; FP8 984 and 1056 (a table read a byte), 259 and 379; NVFP4 1080 and 1240, 374
- * and 428 (the best of 30 calls, of five runs). */
+ * 1 and 4 tokens on one core of the 2-core AMD EPYC (no AMX; bench/cpu_matmul.c, the better of two
+ * runs): bf16 457 and 447 us with dot_groups, 165 and 256 here; FP8 981 and 1068 (a table read a
+ * byte), 271 and 398; NVFP4 1095 and 1264, 381 and 444. */
 #define DOT_LANES(DEC)                                                       \
     for (int k = 0; k < n16; k += 16) {                                      \
         __m512 w[2];                                                         \
