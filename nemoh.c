@@ -313,16 +313,17 @@ static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_
 /* dot_groups in AVX-512 registers for R rows i0 .. i0 + R - 1 (R <= 2): 16 weights of a row a
  * register (bf16 widened, fp8_lanes, nvfp4_lanes), a register of sums a row and token, each x read
  * once for both rows; the sums of its lanes then by the hardware's tree (the same for every T and R).
- * From dot_groups' arrays gcc made 8 scalar sums of hi[] for one token. Two rows' streams are
- * prefetched 1 KB ahead: 4 tokens of a 16384 x 2048 bf16 product on both cores took 3.88 ms a row at a
- * time, 2.67 two rows at a time, 2.11 with the prefetch. The default model's lm_head (8192 x 384) for
- * 1 and 4 tokens on one core of the 2-core AMD EPYC (no AMX; bench/cpu_matmul.c, the better of two
- * runs): bf16 457 and 447 us with dot_groups, 165 and 256 here; FP8 981 and 1068 (a table read a
- * byte), 271 and 398; NVFP4 1095 and 1264, 381 and 444. */
+ * From dot_groups' arrays gcc made 8 scalar sums of hi[] for one token. Two rows at a time ask for the
+ * same columns of the next two rows (a prefetch): 4 tokens of a 16384 x 2048 bf16 product on both
+ * cores took 3.66 ms a row at a time, 2.07 two at a time asking for 1 KB ahead in each row, 1.44
+ * asking for the next rows; of 32768 x 768, 1.44, 1.44 and 1.05 (best of five). The default model's
+ * lm_head (8192 x 384) for 1 and 4 tokens on one core of the 2-core AMD EPYC (no AMX;
+ * bench/cpu_matmul.c, the better of two runs): bf16 457 and 447 us with dot_groups, 163 and 259 here;
+ * FP8 981 and 1068 (a table read a byte), 268 and 400; NVFP4 1095 and 1264, 382 and 436. */
 #define DOT_LANES(DEC)                                                       \
     for (int k = 0; k < n16; k += 16) {                                      \
         __m512 w[2];                                                         \
-        for (int r = 0; r < R && R > 1; r++) _mm_prefetch(p[r] + k * bytes2 / 2 + 1024, _MM_HINT_T0); \
+        for (int r = 0; r < R && R > 1; r++) _mm_prefetch((const char *)((uintptr_t)p[r] + (2 * W->ld + k) * bytes2 / 2), _MM_HINT_T0); \
         for (int r = 0; r < R; r++) w[r] = DEC(r);                           \
         for (int t = 0; t < NT; t++) {                                       \
             __m512 xt = _mm512_loadu_ps(x + (size_t)t * ldx + k);             \
