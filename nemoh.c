@@ -709,6 +709,29 @@ static void cpu_norm(Rank *r, int l, int how, int T) {
     }
 }
 
+/* One row of a head's state, N wide: So = dA * Si + dtx * B (So is Si, in place, or another slot);
+ * returns So.C. With AVX-512, a register of 16 sums: on the 2-core AMD EPYC the default model's
+ * scan took 15-17 us a layer and token through the compiler's loops (the sum in 8 lanes, a chain), 10
+ * here; a 3-token verify forward's 60, 30-37. */
+static inline float scan_row(float *So, const float *Si, const float *B, const float *C, float dA, float dtx, int N) {
+#ifdef NEMOH_AVX512
+    if (N % 16 == 0) {
+        __m512 a = _mm512_set1_ps(dA), d = _mm512_set1_ps(dtx), acc = _mm512_setzero_ps();
+        for (int n = 0; n < N; n += 16) {
+            __m512 v = _mm512_fmadd_ps(a, _mm512_loadu_ps(Si + n), _mm512_mul_ps(d, _mm512_loadu_ps(B + n)));
+            _mm512_storeu_ps(So + n, v);
+            acc = _mm512_fmadd_ps(v, _mm512_loadu_ps(C + n), acc);
+        }
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC ivdep   /* So is Si (in place) or another slot: gcc's overlap check sent in place to scalar code */
+#endif
+    for (int n = 0; n < N; n++) So[n] = dA * Si[n] + dtx * B[n];
+    return dot(So, C, N);
+}
+
 /* Mamba2 mixer over T tokens at positions pos.. (the state carries everything before pos). */
 static void cpu_mamba(Rank *r, int l, int T, int pos) {
     (void)pos;
@@ -758,13 +781,9 @@ static void cpu_mamba(Rank *r, int l, int T, int pos) {
             const float *Sin = st->ssm[l] + (size_t)(r->keep ? (at + (t ? t - 1 : 0)) % slots : at) * ns + hs;
             float *Sout = st->ssm[l] + (size_t)(r->keep ? (at + t) % slots : at) * ns + hs;
             for (int p = 0; p < hdim; p++) {
-                const float *Si = Sin + (size_t)p * N, *B = Bt + g * N;
-                float *So = Sout + (size_t)p * N, xv = xt[h * hdim + p];
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC ivdep   /* So is Si (in place) or another slot: gcc's overlap check sent in place to scalar code */
-#endif
-                for (int n = 0; n < N; n++) So[n] = dA * Si[n] + dt * xv * B[n];
-                st->y[(size_t)t * di + h * hdim + p] = dot(So, Ct + g * N, N) + L->D[h] * xv;
+                float xv = xt[h * hdim + p];
+                st->y[(size_t)t * di + h * hdim + p] =
+                    scan_row(Sout + (size_t)p * N, Sin + (size_t)p * N, Bt + g * N, Ct + g * N, dA, dt * xv, N) + L->D[h] * xv;
             }
         }
     }
