@@ -254,6 +254,11 @@ for bin in ./nemoh $(full && echo "$ASAN"); do
     for d in "$T"/bad-mtp/mtp-no-* "$T"/bad-mtp/mtp-enorm-length; do
         check "$tag $(basename "$d") with --mtp 0: the model runs without drafting" "$bin" -m "$d" --ids "1 2" -n 2 --mtp 0
     done
+    d="$T/bad-mtp/good-nan-mtp"
+    got=$("$bin" -m "$d" --ids "1 2" -n 12 -t 0 --mtp 3 2>"$T/nan-mtp.err")
+    if [ "$got" = "$("$bin" -m "$d" --ids "1 2" -n 12 -t 0 --mtp 0 2>/dev/null)" ] && grep -q "no drafting step ran" "$T/nan-mtp.err"; then
+        pass "$tag: an MTP block whose logits are NaN drafts nothing; the tokens equal --mtp 0's"
+    else fail "$tag: an MTP block whose logits are NaN drafts nothing; the tokens equal --mtp 0's" "$got"$'\n'"$(cat "$T/nan-mtp.err")"; fi
     check "$tag: 100000 empty tensors (an index naming them all) load within 20 s" timeout 20 "$bin" -m "$T/bad/good-many-empty" --ids "1 2" -n 1
     check "$tag: an FP8 model with config.json's quantization_config alone (no hf_quant_config.json) loads" \
         "$bin" -m "$T/bad-fp8/good-config-json-only" --ids "1 2" -n 1
@@ -649,6 +654,11 @@ else
     for d in "$T"/bad/*; do   # NaN / Inf weights: the sampler kernel flags the logits
         [ -e "$d/at-run" ] && refuse_run "GPU bad input: $(basename "$d")" "non-finite logits" /dev/null ./nemoh -m "$d" --ids "1 2" -n 1
     done
+    d="$T/bad-mtp/good-nan-mtp"
+    plain=$(./nemoh -m "$d" --ids "1 2" -n 12 -t 0 --mtp 0 2>/dev/null)
+    got=$(./nemoh -m "$d" --ids "1 2" -n 12 -t 0 --mtp 3 2>"$T/nan-mtp-gpu.err")
+    if [ -n "$plain" ] && [ "$got" = "$plain" ]; then pass "GPU: an MTP block whose logits are NaN drafts nothing; the tokens equal --mtp 0's"
+    else fail "GPU: an MTP block whose logits are NaN drafts nothing; the tokens equal --mtp 0's" "$got"$'\n'"$plain"$'\n'"$(cat "$T/nan-mtp-gpu.err")"; fi
     echo "# GPU tests until ${SECONDS} s"
 fi
 

@@ -73,8 +73,9 @@ static void emit(const char *name, const char *expect, const char *config, const
     emit_data(name, expect, config, hdr, hlen_field, keep, data, data_len);
 }
 
-/* The good model with element i of tensor `tensor` set to the float f (stored in its dtype). */
-static void emit_value(const char *name, const char *expect, const char *tensor, size_t i, float f) {
+/* The good model with element i of tensor `tensor` set to the float f (stored in its dtype), refused
+ * while generating (at_run), or a model that runs. */
+static void emit_value(const char *name, const char *expect, const char *tensor, size_t i, float f, int at_run) {
     char key[256];
     snprintf(key, sizeof key, "\"%s\":", tensor);
     const char *at = strstr(header, key), *dt = at ? strstr(at, "\"dtype\":\"") : NULL, *off = at ? strstr(at, "\"data_offsets\":[") : NULL;
@@ -89,7 +90,7 @@ static void emit_value(const char *name, const char *expect, const char *tensor,
     emit_data(name, expect, good_config, header, 0, 0, d, data_len);
     free(d);
     snprintf(key, sizeof key, "%s/%s", out_root, name);
-    spit(key, "at-run", "", 0);   /* refused while generating: after the "loaded" line */
+    if (at_run) spit(key, "at-run", "", 0);   /* refused while generating: after the "loaded" line */
 }
 
 /* A file in a case's directory that is a link to `target` (/dev/zero: endless; ".": a directory). */
@@ -169,6 +170,8 @@ static void moe_cases(void) {
 static void mtp_cases(void) {
     int list = strstr(good_config, "\"mtp_layers_block_type\": [") != NULL;
     emit("good", "", good_config, header, 0, 0);  /* the control: must load */
+    /* a block whose logits are NaN (its final norm's weight) runs: it drafts nothing */
+    emit_value("good-nan-mtp", "", "mtp.layers.1.final_layernorm.weight", 0, NAN, 0);
     emit("mtp-no-eh-proj", "mtp.layers.0.eh_proj.weight not found", good_config,
          replace(header, "mtp.layers.0.eh_proj.weight\"", "mtp.layers.0.eh_prox.weight\""), 0, 0);
     emit("mtp-no-final-norm", "final_layernorm.weight not found", good_config, replace(header, "final_layernorm.weight\"", "final_layernorx.weight\""), 0, 0);
@@ -515,9 +518,9 @@ int main(int argc, char **argv) {
     free(idx);
 
     /* weights that are not finite: generation stops naming where they first show */
-    emit_value("nan-layer-1", "layer 1 (mamba) is the first whose output is not finite", "backbone.layers.1.mixer.out_proj.weight", 0, NAN);
-    emit_value("inf-layer-4", "layer 4 (attention) is the first whose output is not finite", "backbone.layers.4.mixer.o_proj.weight", 3, INFINITY);
-    emit_value("inf-embedding", "the embedding of a prompt token is not finite", "backbone.embeddings.weight", 80 + 7, -INFINITY);
-    emit_value("nan-lm-head", "the final norm or lm_head", "lm_head.weight", 80 * 5, NAN);
+    emit_value("nan-layer-1", "layer 1 (mamba) is the first whose output is not finite", "backbone.layers.1.mixer.out_proj.weight", 0, NAN, 1);
+    emit_value("inf-layer-4", "layer 4 (attention) is the first whose output is not finite", "backbone.layers.4.mixer.o_proj.weight", 3, INFINITY, 1);
+    emit_value("inf-embedding", "the embedding of a prompt token is not finite", "backbone.embeddings.weight", 80 + 7, -INFINITY, 1);
+    emit_value("nan-lm-head", "the final norm or lm_head", "lm_head.weight", 80 * 5, NAN, 1);
     return 0;
 }
