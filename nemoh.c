@@ -1387,11 +1387,19 @@ typedef struct {
 
 /* Drafts a step when the model has an MTP block and --mtp is not given: the count that measured
  * fastest on the default model (its trained block; bench/RESULTS.md, "Drafting with the MTP block").
- * On the CPU, greedy: 2 (over eight prompts, 1.45x on the 2-core Xeon, whose AMX tile unit runs the
- * bf16 products; 1 gives 1.29x, 3 1.41x; on the 2-core AMD EPYC, without one, 1.11x to 1.20x; 1, 1.11x
- * to 1.16x). Sampled, a greedy draft is accepted only when the draw equals it (acceptance length 1.27
- * at one draft, 0.91x), and on one H200 every count measured slower: none. */
-static int mtp_default(int gpu, float temp) { return !gpu && temp <= 0 ? 2 : 0; }
+ * On the CPU, greedy: 2 where the AMX tile unit runs the bf16 products, whose several tokens cost
+ * what one does (over eight prompts on the 2-core Xeon, 1.45x; 1 gives 1.29x, 3 1.41x); 1 without
+ * it, where a verify forward's products pay for every token (the 2-core AMD EPYC, four runs: 1.14x to
+ * 1.23x; 2, 1.03x to 1.16x). Sampled, a greedy draft is accepted only when the draw equals it
+ * (acceptance length 1.27 at one draft, 0.91x), and on one H200 every count measured slower: none. */
+static int mtp_default(int gpu, float temp) {
+    if (gpu || temp > 0) return 0;
+#ifdef NEMOH_AMX
+    pthread_once(&amx_once, amx_ask);
+    if (amx_granted) return 2;
+#endif
+    return 1;
+}
 
 static void *tok_grow(void *p, size_t *cap, size_t need, size_t size);
 static int *parse_ids(const char *s, int *n);
