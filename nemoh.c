@@ -243,11 +243,12 @@ static int cpu_threads = 1;     /* OpenMP threads per rank: the cores shared amo
  * with -march=native on such a machine; elsewhere dot_groups decodes them one at a time).
  * FP8: the seven low bits of an E4M3 code under an f16's exponent (bias 15 against 7) and its sign
  * on top make the value times 2^-8, subnormals included; the hardware widens f16 to fp32 exactly;
- * 0x7F and 0xFF are NaN. */
+ * 0x7F and 0xFF are NaN. One product by 2^8 * scale (exact: a power of two) rounds value * scale
+ * once, as mat_at does. */
 static inline __m512 fp8_lanes(const uint8_t *p, float scale) {
     __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), m = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
     __m256i h = _mm256_or_si256(_mm256_slli_epi16(m, 7), _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f)), _mm512_set1_ps(scale));
+    __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f * scale));
     return _mm512_mask_mov_ps(v, _mm256_cmpeq_epi16_mask(m, _mm256_set1_epi16(0x7F)), _mm512_set1_ps(NAN));
 }
 
@@ -2496,6 +2497,8 @@ static float st_scale(const Tensor *t) {
         die("%s: tensor %s must be one F32 value (shape [] or [1]); per-channel and block scales are not supported", t->file, t->name);
     memcpy(&v, t->data, 4);
     if (!(v >= 0 && v < INFINITY)) die("%s: tensor %s is %g, not a finite scale >= 0", t->file, t->name, v);
+    /* fp8_lanes multiplies by 2^8 * scale, which must be finite */
+    if (v >= 0x1p120f) die("%s: tensor %s is %g, past the largest scale nemoh takes (below 2^120)", t->file, t->name, v);
     return v;
 }
 

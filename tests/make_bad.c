@@ -333,6 +333,8 @@ static void quant_cases(void) {
         emit_scale("q-scale-nan", msg, t, NAN);
         snprintf(msg, sizeof msg, "%s is -0.25, not a finite scale >= 0", t);
         emit_scale("q-scale-negative", msg, t, -0.25f);
+        snprintf(msg, sizeof msg, "%s is 1e+38, past the largest scale nemoh takes (below 2^120)", t);
+        emit_scale("q-scale-huge", msg, t, 1e38f);
         snprintf(t, sizeof t, "%s.input_scale", M);
         snprintf(msg, sizeof msg, "%s is inf, not a finite scale >= 0", t);
         emit_scale("q-input-scale-inf", msg, t, INFINITY);

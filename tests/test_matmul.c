@@ -65,16 +65,20 @@ int main(void) {
     printf("bf16: dot_rows (a build without AMX)\n");
 #endif
 #ifdef NEMOH_AVX512
-    /* FP8 and NVFP4 in AVX-512 lanes: every FP8 code (NaN included), and every NVFP4 byte under every
-       block scale that is not NaN, against mat_at, bit for bit */
+    /* FP8 and NVFP4 in AVX-512 lanes: every FP8 code (NaN included) under tensor scales from subnormal
+       to the largest nemoh takes (products that round to subnormals and past the fp32 range among them), and every NVFP4
+       byte under every block scale that is not NaN, against mat_at, bit for bit */
     uint8_t codes[256], scale = 0;
     for (int b = 0; b < 256; b++) codes[b] = (uint8_t)b;
     long lane_bad = 0;
     float got[16];
-    Mat q8 = {.data = codes, .dtype = DT_FP8, .rows = 1, .cols = 256, .ld = 256, .scale = 0.37f};
-    for (int g = 0; g < 16; g++) {
-        _mm512_storeu_ps(got, fp8_lanes(codes + 16 * g, q8.scale));
-        for (int j = 0; j < 16; j++) { float want = mat_at(&q8, 0, (size_t)(16 * g + j)); lane_bad += memcmp(&got[j], &want, 4) != 0; }
+    const float tensor_scales[] = {0.37f, 1.0f, 3.1e-3f, 7.7e-41f, 1.3e-38f, 2.9e34f, 0x1.fffffep119f};
+    for (size_t si = 0; si < sizeof tensor_scales / sizeof *tensor_scales; si++) {
+        Mat q8 = {.data = codes, .dtype = DT_FP8, .rows = 1, .cols = 256, .ld = 256, .scale = tensor_scales[si]};
+        for (int g = 0; g < 16; g++) {
+            _mm512_storeu_ps(got, fp8_lanes(codes + 16 * g, q8.scale));
+            for (int j = 0; j < 16; j++) { float want = mat_at(&q8, 0, (size_t)(16 * g + j)); lane_bad += memcmp(&got[j], &want, 4) != 0; }
+        }
     }
     for (; scale < 127; scale++)
         for (int g = 0; g < 32; g++) {   /* 8 bytes, 16 elements, a group */
