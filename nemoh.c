@@ -245,12 +245,13 @@ static int cpu_threads = 1;     /* OpenMP threads per rank: the cores shared amo
  * on top make the value times 2^-8, subnormals included; the hardware widens f16 to fp32 exactly;
  * 0x7F and 0xFF are NaN. One product by 2^8 * scale (exact: a power of two) rounds value * scale
  * once, as mat_at does. */
-static inline __m512 fp8_lanes(const uint8_t *p, float scale) {
-    __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), m = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
+static inline __m512 fp8_bytes(__m128i bytes, float scale) {
+    __m256i b = _mm256_cvtepu8_epi16(bytes), m = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
     __m256i h = _mm256_or_si256(_mm256_slli_epi16(m, 7), _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
     __m512 v = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f * scale));
     return _mm512_mask_mov_ps(v, _mm256_cmpeq_epi16_mask(m, _mm256_set1_epi16(0x7F)), _mm512_set1_ps(NAN));
 }
+static inline __m512 fp8_lanes(const uint8_t *p, float scale) { return fp8_bytes(_mm_loadu_si128((const __m128i *)p), scale); }
 
 /* NVFP4: 8 bytes, the 16 E2M1 codes in element order (low nibble first) picking from the 16 values. */
 static inline __m512 nvfp4_lanes(const uint8_t *p, float sc) {
@@ -324,8 +325,9 @@ static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_
  * bench/cpu_matmul.c, the better of two runs): bf16 457 and 447 us with dot_groups, 163 and 259 here;
  * FP8 981 and 1068 (a table read a byte), 268 and 400; NVFP4 1095 and 1264, 382 and 436. */
 enum { PREFETCH_BYTES = 8192 };
-#define DOT_LANES(DEC)                                                       \
-    for (int k = 0; k < n16; k += 16) {                                      \
+#define DOT_LANES(DEC) DOT_RANGE(DEC, 0, n16)
+#define DOT_RANGE(DEC, K0, K1)                                               \
+    for (int k = K0; k < K1; k += 16) {                                      \
         __m512 w[2];                                                         \
         for (int r = 0; r < R && R > 1; r++) _mm_prefetch((const char *)((uintptr_t)p[r] + (ahead * W->ld + k) * bytes2 / 2), _MM_HINT_T0); \
         for (int r = 0; r < R; r++) w[r] = DEC(r);                           \
@@ -353,8 +355,17 @@ static inline __attribute__((always_inline)) void dot_lanes(const Mat *W, size_t
 #define FP8_16(r) fp8_lanes((const uint8_t *)p[r] + k, W->scale)
         DOT_LANES(FP8_16)
     } else if (W->dtype == DT_NVFP4) {
-#define NVFP4_16(r) nvfp4_lanes((const uint8_t *)p[r] + k / 2, nvfp4_block_scale(W, i[r], (size_t)k))
-        DOT_LANES(NVFP4_16)
+        /* the block scales of 256 columns at a time in one register each row (fp8_bytes: e4m3 times
+           the tensor's scale, nvfp4_block_scale's values), then one a group */
+        for (int k0 = 0; k0 < n16; k0 += 256) {
+            int k1 = k0 + 256 < n16 ? k0 + 256 : n16;
+            float bsc[2][16];
+            for (int r = 0; r < R; r++)
+                _mm512_storeu_ps(bsc[r], fp8_bytes(_mm_maskz_loadu_epi8((__mmask16)((1u << (k1 - k0) / 16) - 1),
+                                                                        W->bs + i[r] * W->bld + k0 / 16), W->scale));
+#define NVFP4_16(r) nvfp4_lanes((const uint8_t *)p[r] + k / 2, bsc[r][(k - k0) / 16])
+            DOT_RANGE(NVFP4_16, k0, k1)
+        }
     }
 #undef F32_16
 #undef BF16_16
@@ -364,6 +375,7 @@ static inline __attribute__((always_inline)) void dot_lanes(const Mat *W, size_t
         for (int t = 0; t < NT; t++) sum[r][t] = _mm512_reduce_add_ps(s[r][t]);
 }
 #undef DOT_LANES
+#undef DOT_RANGE
 #endif
 
 /* sum[r][t]: the first n16 columns of row i + r (r < R <= 2) dotted with x[t * ldx] (t < NT), the lanes
