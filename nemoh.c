@@ -473,12 +473,16 @@ static int amx_granted;                          /* Linux gave this process the 
 static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 /* Linux gives a process the tiles' 8 KB of state only when asked: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) */
 static void amx_ask(void) { amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+/* Whether this process may use the tiles (asked once). */
+static int amx_on(void) {
+    pthread_once(&amx_once, amx_ask);
+    return amx_granted;
+}
 
 /* bf16 products of 32768 weights or more (on the 2-core Xeon, 256 x 128 and up run faster here, a
  * product of 96 x 80 slower: the tiles' setup costs about a microsecond). */
 static int amx_fits(const Mat *W) {
-    pthread_once(&amx_once, amx_ask);
-    return amx_granted && W->dtype == DT_BF16 && W->rows >= 16 && W->cols >= 32 && (size_t)W->rows * W->cols >= 32768 &&
+    return amx_on() && W->dtype == DT_BF16 && W->rows >= 16 && W->cols >= 32 && (size_t)W->rows * W->cols >= 32768 &&
            (size_t)(W->cols - W->cols % 32) * 16 <= AMX_PACK;
 }
 
@@ -1408,8 +1412,7 @@ typedef struct {
 static int mtp_default(int gpu, float temp) {
     if (gpu || temp > 0) return 0;
 #ifdef NEMOH_AMX
-    pthread_once(&amx_once, amx_ask);
-    if (amx_granted) return 2;
+    if (amx_on()) return 2;
 #endif
     return 1;
 }
