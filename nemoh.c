@@ -320,8 +320,8 @@ static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_
  * both cores took 3.66 ms a row at a time, 2.07 two at a time asking for 1 KB ahead in each row, 1.44
  * asking for the next rows; of 32768 x 768, 1.44, 1.44 and 1.05 (best of five). Rows of 768 bytes
  * want more than the next two: 3 tokens of a 65536 x 384 bf16 product (50 MB) on both cores of the
- * AMD EPYC took 1.73 ms asking 2 rows ahead, 1.22 at 4 KB, 1.02 at 8 KB, 1.10 at 16 KB. The default model's
- * lm_head (8192 x 384) for 1 and 4 tokens on one core of the 2-core AMD EPYC (no AMX;
+ * AMD EPYC took 1.73 ms asking 2 rows ahead, 1.22 at 4 KB, 1.02 at 8 KB, 1.10 at 16 KB. The default
+ * model's lm_head (8192 x 384) for 1 and 4 tokens on one core of the 2-core AMD EPYC (no AMX;
  * bench/cpu_matmul.c, the better of two runs): bf16 457 and 447 us with dot_groups, 163 and 259 here;
  * FP8 981 and 1068 (a table read a byte), 268 and 400; NVFP4 1095 and 1264, 382 and 436. */
 enum { PREFETCH_BYTES = 8192 };
@@ -329,7 +329,7 @@ enum { PREFETCH_BYTES = 8192 };
 #define DOT_RANGE(DEC, K0, K1)                                               \
     for (int k = K0; k < K1; k += 16) {                                      \
         __m512 w[2];                                                         \
-        for (int r = 0; r < R && R > 1; r++) _mm_prefetch((const char *)((uintptr_t)p[r] + (ahead * W->ld + k) * bytes2 / 2), _MM_HINT_T0); \
+        for (int r = 0; r < R && R > 1; r++) _mm_prefetch(p[r] + ahead + k * bytes2 / 2, _MM_HINT_T0); \
         for (int r = 0; r < R; r++) w[r] = DEC(r);                           \
         for (int t = 0; t < NT; t++) {                                       \
             __m512 xt = _mm512_loadu_ps(x + (size_t)t * ldx + k);             \
@@ -343,8 +343,8 @@ static inline __attribute__((always_inline)) void dot_lanes(const Mat *W, size_t
     for (int t = 0; t < 4; t++) s[0][t] = s[1][t] = _mm512_setzero_ps();
     const char *p[2];
     size_t bytes2 = W->dtype == DT_F32 ? 8 : W->dtype == DT_BF16 ? 4 : W->dtype == DT_FP8 ? 2 : 1;   /* twice an element's */
-    for (int r = 0; r < R; r++) p[r] = (const char *)W->data + i[r] * W->ld * bytes2 / 2;
-    size_t row_bytes = W->ld * bytes2 / 2, ahead = PREFETCH_BYTES / row_bytes < 2 ? 2 : PREFETCH_BYTES / row_bytes;
+    size_t row_bytes = W->ld * bytes2 / 2, ahead = row_bytes * (PREFETCH_BYTES / row_bytes < 2 ? 2 : PREFETCH_BYTES / row_bytes);
+    for (int r = 0; r < R; r++) p[r] = (const char *)W->data + i[r] * row_bytes;
     if (W->dtype == DT_F32) {
 #define F32_16(r) _mm512_loadu_ps((const float *)p[r] + k)
         DOT_LANES(F32_16)

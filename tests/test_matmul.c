@@ -66,8 +66,8 @@ int main(void) {
 #endif
 #ifdef NEMOH_AVX512
     /* FP8 and NVFP4 in AVX-512 lanes: every FP8 code (NaN included) under tensor scales from subnormal
-       to the largest nemoh takes (products that round to subnormals and past the fp32 range among them), and every NVFP4
-       byte under every block scale that is not NaN, against mat_at, bit for bit */
+       to the largest nemoh takes (products that round to subnormals and past the fp32 range among
+       them), and every NVFP4 byte under every block scale that is not NaN, against mat_at, bit for bit */
     uint8_t codes[256], scale = 0;
     for (int b = 0; b < 256; b++) codes[b] = (uint8_t)b;
     long lane_bad = 0;
