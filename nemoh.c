@@ -325,8 +325,7 @@ static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_
  * bench/cpu_matmul.c, the better of two runs): bf16 457 and 447 us with dot_groups, 163 and 259 here;
  * FP8 981 and 1068 (a table read a byte), 268 and 400; NVFP4 1095 and 1264, 382 and 436. */
 enum { PREFETCH_BYTES = 8192 };
-#define DOT_LANES(DEC) DOT_RANGE(DEC, 0, n16)
-#define DOT_RANGE(DEC, K0, K1)                                               \
+#define DOT_LANES(DEC, K0, K1)                                               \
     for (int k = K0; k < K1; k += 16) {                                      \
         __m512 w[2];                                                         \
         for (int r = 0; r < R && R > 1; r++) _mm_prefetch(p[r] + ahead + k * bytes2 / 2, _MM_HINT_T0); \
@@ -347,13 +346,13 @@ static inline __attribute__((always_inline)) void dot_lanes(const Mat *W, size_t
     for (int r = 0; r < R; r++) p[r] = (const char *)W->data + i[r] * row_bytes;
     if (W->dtype == DT_F32) {
 #define F32_16(r) _mm512_loadu_ps((const float *)p[r] + k)
-        DOT_LANES(F32_16)
+        DOT_LANES(F32_16, 0, n16)
     } else if (W->dtype == DT_BF16) {
 #define BF16_16(r) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p[r] + k))), 16))
-        DOT_LANES(BF16_16)
+        DOT_LANES(BF16_16, 0, n16)
     } else if (W->dtype == DT_FP8) {
 #define FP8_16(r) fp8_lanes((const uint8_t *)p[r] + k, W->scale)
-        DOT_LANES(FP8_16)
+        DOT_LANES(FP8_16, 0, n16)
     } else if (W->dtype == DT_NVFP4) {
         /* the block scales of 256 columns at a time in one register each row (fp8_bytes: e4m3 times
            the tensor's scale, nvfp4_block_scale's values), then one a group */
@@ -364,7 +363,7 @@ static inline __attribute__((always_inline)) void dot_lanes(const Mat *W, size_t
                 _mm512_storeu_ps(bsc[r], fp8_bytes(_mm_maskz_loadu_epi8((__mmask16)((1u << (k1 - k0) / 16) - 1),
                                                                         W->bs + i[r] * W->bld + k0 / 16), W->scale));
 #define NVFP4_16(r) nvfp4_lanes((const uint8_t *)p[r] + k / 2, bsc[r][(k - k0) / 16])
-            DOT_RANGE(NVFP4_16, k0, k1)
+            DOT_LANES(NVFP4_16, k0, k1)
         }
     }
 #undef F32_16
@@ -375,7 +374,6 @@ static inline __attribute__((always_inline)) void dot_lanes(const Mat *W, size_t
         for (int t = 0; t < NT; t++) sum[r][t] = _mm512_reduce_add_ps(s[r][t]);
 }
 #undef DOT_LANES
-#undef DOT_RANGE
 #endif
 
 /* sum[r][t]: the first n16 columns of row i + r (r < R <= 2) dotted with x[t * ldx] (t < NT), the lanes
