@@ -232,6 +232,8 @@ typedef struct {
     float *ein, *eout;          /* [t_max, d] inputs and outputs of the tokens one expert serves */
     int *etok;                  /* [t_max] those tokens */
     float *ew;                  /* [t_max] their weights for that expert */
+    int draft[SPEC_MAX];        /* the drafts made this step (cpu_draft) */
+    int drafted;                /* ... the last one's index */
 } CpuState;
 
 static int cpu_threads = 1;     /* OpenMP threads per rank: the cores shared among the ranks */
@@ -1000,12 +1002,19 @@ static void cpu_sample(Rank *r, int n, float temp, float topp, uint64_t seed, ui
     }
 }
 
-/* residual[t] = eh_proj([enorm(embed[tok[t]]) ; hnorm(x[row + t])]): the MTP block's input */
+/* residual[t] = eh_proj([enorm(embed[tok[t]]) ; hnorm(x[row + t])]): the MTP block's input. No tok:
+ * the last draft; after a non-finite row's (-1), zeros (that pass's draft is not used, and a router
+ * must not see the row's NaN) */
 static void cpu_mtp_in(Rank *r, const int *tok, int T, int row) {
     CpuState *st = r->st;
-    int H = r->c->hidden;
+    int H = r->c->hidden, none = !tok && st->draft[st->drafted] < 0;
+    tok = tok ? tok : &st->draft[st->drafted];
     for (int t = 0; t < T; t++) {
         float *eh = st->eh + (size_t)t * 2 * H;
+        if (none) {
+            memset(eh, 0, 2 * (size_t)H * sizeof(float));
+            continue;
+        }
         for (int i = 0; i < H; i++) eh[i] = mat_at(&r->w.embed, (size_t)tok[t], (size_t)i);
         rmsnorm(eh, eh, r->w.enorm, H, r->c->eps);
         rmsnorm(eh + H, st->x + (size_t)(row + t) * H, r->w.hnorm, H, r->c->eps);
@@ -1025,6 +1034,14 @@ static void cpu_rewind(Rank *r, int t) {
         st->at[l] = (st->base[l] + t) % (r->spec + 1);
     }
 }
+
+static void cpu_draft(Rank *r, int j) {
+    CpuState *st = r->st;
+    cpu_sample(r, 1, 0, 1, 0, 0, &st->draft[j]);
+    st->drafted = j;
+}
+
+static void cpu_drafts(Rank *r, int k, int *out) { memcpy(out, ((CpuState *)r->st)->draft, (size_t)k * sizeof(int)); }
 
 static const float *cpu_host_logits(Rank *r, int rows) {
     (void)rows;
@@ -1075,7 +1092,7 @@ static const Backend cpu_backend = {
     .name = "cpu", .setup = cpu_setup, .teardown = cpu_teardown, .init = cpu_init, .free = cpu_free, .embed = cpu_embed, .norm = cpu_norm,
     .mamba = cpu_mamba, .attention = cpu_attention, .mlp = cpu_mlp, .moe = cpu_moe, .allreduce = cpu_allreduce,
     .logits = cpu_logits, .sample = cpu_sample, .host_logits = cpu_host_logits,
-    .snapshot = cpu_snapshot, .mtp_in = cpu_mtp_in, .rewind = cpu_rewind,
+    .snapshot = cpu_snapshot, .mtp_in = cpu_mtp_in, .rewind = cpu_rewind, .draft = cpu_draft, .drafts = cpu_drafts,
 };
 
 /* ------------------------------------------------------------------------------------------------
@@ -1127,7 +1144,7 @@ static void run_layers(Rank *r, int l0, int l1, int fin, int T, int pos, int all
 /* T tokens at positions pos..pos+T-1 through the model on one rank; with r->keep, every Mamba layer
  * also keeps its state after each token (be->rewind goes back to one). */
 static void forward(Rank *r, const int *tok, int T, int pos, int all_logits) {
-    r->pass = PASS_MAIN;
+    r->pass = PASS_MAIN, r->all = all_logits, r->row = 0;
     if (r->be->replay && r->be->replay(r, tok, T, pos)) return;   /* a captured CUDA graph ran it all */
     if (r->be->begin) r->be->begin(r, tok, T, pos);
     r->be->embed(r, tok, T);                                      /* residual = embed[tok] */
@@ -1140,8 +1157,8 @@ static void forward(Rank *r, const int *tok, int T, int pos, int all_logits) {
  *   g = final_layernorm(block(eh_proj([enorm(embed[tok]) ; hnorm(h)]))); logits = lm_head(g)
  * Its attention keeps its own cache, positions as the model's. */
 static void mtp_forward(Rank *r, const int *tok, int T, int row, int pos, int all_logits) {
-    r->pass = PASS_MTP;
-    if (row == 0 && r->be->replay && r->be->replay(r, tok, T, pos)) return;
+    r->pass = PASS_MTP, r->all = all_logits, r->row = row;
+    if (r->be->replay && r->be->replay(r, tok, T, pos)) return;
     if (r->be->begin) r->be->begin(r, tok, T, pos);
     r->be->mtp_in(r, tok, T, row);
     run_layers(r, r->c->n_layers, n_all(r->c), NORM_MTP_F, T, pos, all_logits);
@@ -1267,7 +1284,8 @@ static void engine_forward(Engine *e, const int *tok, int T, int pos, int all, i
     run_ranks(e, job_forward, &a);
 }
 
-/* The MTP block on all ranks (mtp_forward): tokens tok[0..T) after positions pos.., on x rows row... */
+/* The MTP block on all ranks (mtp_forward): tokens tok[0..T) after positions pos.., on x rows row..
+ * (tok NULL: the last draft, be->draft). */
 static void engine_mtp(Engine *e, const int *tok, int T, int row, int pos, int all) {
     FwdArgs a = {tok, T, pos, all, 0, 1, row};
     run_ranks(e, job_forward, &a);
@@ -1281,20 +1299,41 @@ typedef struct { int slot, save; } SnapArgs;
 static void job_snapshot(Rank *r, void *arg) { SnapArgs *a = arg; r->be->snapshot(r, a->slot, a->save); }
 static void engine_snapshot(Engine *e, int slot, int save) { SnapArgs a = {slot, save}; run_ranks(e, job_snapshot, &a); }
 
-/* Every rank samples the last n rows of its own gathered logits (row j with coin step + j); they must
- * agree. tok[j] is -1 for a row that is not finite: an error for the model's logits, no draft for
- * the MTP block's. */
+/* Every rank's n tokens, out[i * n + j] of rank i, must equal rank 0's (what names them). */
+static void ranks_agree(const Engine *e, const int *out, int n, const char *what) {
+    for (int j = 0; j < n; j++)
+        for (int i = 1; i < e->n; i++)
+            if (out[i * n + j] != out[j]) die("ranks disagree on %s %d (rank 0: %d, rank %d: %d)", what, j, out[j], i, out[i * n + j]);
+}
+
+/* Every rank samples the last n rows of the model's gathered logits (row j with coin step + j); they
+ * must agree. A row that is not finite (-1) is an error. */
 static void engine_sample_rows(Engine *e, int n, float temp, float topp, uint64_t seed, uint64_t step, int *tok) {
     int out[64 * (SPEC_MAX + 1)];
     SampleArgs a = {n, temp, topp, seed, step, out};
     run_ranks(e, job_sample, &a);
+    ranks_agree(e, out, n, "sampled token");
     for (int j = 0; j < n; j++) {
-        for (int i = 1; i < e->n; i++)
-            if (out[i * n + j] != out[j]) die("ranks disagree on the sampled token (rank 0: %d, rank %d: %d)", out[j], i, out[i * n + j]);
-        if ((out[j] < 0 && e->rank[0].pass == PASS_MAIN) || out[j] >= e->c.vocab)
-            die("non-finite logits (run with --cpu to find the first layer that made them)");
+        if (out[j] < 0 || out[j] >= e->c.vocab) die("non-finite logits (run with --cpu to find the first layer that made them)");
         tok[j] = out[j];
     }
+}
+
+/* Every rank makes draft j from its last logits row and keeps it (be->draft). */
+static void job_draft(Rank *r, void *arg) { r->be->draft(r, *(int *)arg); }
+static void engine_draft(Engine *e, int j) { run_ranks(e, job_draft, &j); }
+
+/* The k drafts every rank made (be->drafts), which must agree; -1 where a row was not finite. */
+typedef struct { int k, *out; } DraftsArgs;
+static void job_drafts(Rank *r, void *arg) { DraftsArgs *a = arg; r->be->drafts(r, a->k, a->out + r->s.rank * a->k); }
+static void engine_drafts(Engine *e, int k, int *tok) {
+    int out[64 * SPEC_MAX];
+    DraftsArgs a = {k, out};
+    run_ranks(e, job_drafts, &a);
+    ranks_agree(e, out, k, "draft");
+    for (int j = 0; j < k; j++)
+        if (out[j] >= e->c.vocab) die("draft %d is token %d, past the vocabulary (%d)", j, out[j], e->c.vocab);
+    memcpy(tok, out, (size_t)k * sizeof(int));
 }
 
 static int engine_sample(Engine *e, float temp, float topp, uint64_t seed, uint64_t step) {
@@ -1456,7 +1495,8 @@ static void dec_prefill(Decoder *d, const int *ids, int from, int to, int n_ids)
 }
 
 /* The MTP pass over positions from..from+T-1 (the token after each in tok), on the hidden states in
- * rows 0..T-1, then the drafts for the next step: its argmax, and K - 1 more of the block's own. */
+ * rows 0..T-1, then the drafts for the next step: its argmax, and K - 1 more of the block's own, each
+ * pass fed the draft before it where the backend keeps it (one round trip for all of them). */
 static void dec_draft(Decoder *d, const int *tok, int T, int from) {
     Engine *e = d->e;
     engine_mtp(e, tok, T, 0, from, d->dump_mtp);
@@ -1464,13 +1504,13 @@ static void dec_draft(Decoder *d, const int *tok, int T, int from) {
     int k = d->k, room = d->ctx - 1 - d->pos, want = d->left - d->n_tok - 1;
     k = k < room ? k : room;
     k = k < want ? k : want;
-    d->n_draft = 0;
     for (int j = 0; j < k; j++) {
-        if (j) engine_mtp(e, &d->draft[j - 1], 1, j == 1 ? T - 1 : 0, d->pos + j - 1, 0);
-        engine_sample_rows(e, 1, 0, 1, 0, 0, &d->draft[j]);
-        if (d->draft[j] < 0) break;   /* non-finite logits of the block: no draft */
-        d->n_draft++;
+        if (j) engine_mtp(e, NULL, 1, j == 1 ? T - 1 : 0, d->pos + j - 1, 0);
+        engine_draft(e, j);
     }
+    if (k > 0) engine_drafts(e, k, d->draft);
+    d->n_draft = 0;
+    while (d->n_draft < k && d->draft[d->n_draft] >= 0) d->n_draft++;   /* up to the block's first non-finite row */
     if (!d->force) return;
     /* the test hook: the recorded tokens, one corrupted at draft (steps mod (k + 1)), so that every
        accepted count 0..k occurs and the state rewinds across every kind of layer */

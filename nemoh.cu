@@ -144,6 +144,20 @@ typedef struct {
     int t_max, logit_rows;      /* sizes every rank allocates */
 } GpuShared;
 
+/* Most tokens a forward runs as decode does while drafting (r->spec > 0), each token's rows computed as
+ * a one-token step computes them, bit for bit: a speculative step verifies up to spec + 1 tokens, and so
+ * its greedy choices are plain decoding's. More tokens run as a prompt does. */
+enum { DECODE_T = 9 };
+
+/* A decoded forward is captured as a CUDA graph once and replayed, one for each kind: pass, T (up to
+ * DECODE_T), states kept or not (r->keep), all rows' logits or the last's (r->all). Its inputs are
+ * read from device memory (tokens, position, the MTP pass's x row), so one graph serves every step. */
+enum { GRAPHS = 2 * (DECODE_T + 1) * 2 * 2 };
+
+/* The host syncs with a rank's stream at least once every SPEC_MAX + 1 forwards (a step's draft passes,
+ * fed no tokens from the host, do not wait), so that many (position, row) pairs in flight suffice. */
+enum { IO_RING = SPEC_MAX + 1 };
+
 typedef struct {
     cudaStream_t stream;        /* everything of this rank runs in order on it */
     cublasHandle_t blas;        /* prefill matrix products */
@@ -182,9 +196,13 @@ typedef struct {
     float *probs;               /* [sample_rows, vocab] sampling scratch */
     int sample_rows;            /* most logits rows one sample call draws from: min(logit_rows, spec + 1) */
     int *tok;                   /* [t_max] token ids of this step */
-    int *pos;                   /* [1] position of the step's first token */
+    int *pos;                   /* [2] position of the step's first token; the MTP pass's first x row (r->row) */
     int *sampled;               /* [sample_rows] the sampled tokens */
-    int *host_io;               /* [max(t_max, sample_rows) + 2] pinned staging: tokens, position, sampled */
+    int *drafts;                /* [max(spec, 1)] the drafts made this step (gpu_draft) */
+    int drafted;                /* ... the last one's index: a pass fed no tokens reads it */
+    int *host_io;               /* [io_ring] pinned staging: tokens in, sampled tokens and drafts out; then
+                                   IO_RING (position, x row) pairs, a forward's each */
+    int io_ring, ring;          /* where the pairs start; the next pair */
     int *moe_idx;               /* [t_max, top_k] chosen experts of each token, best first */
     float *moe_w;               /* [t_max, top_k] their weights */
     float *moe_logits;          /* [t_max, n_experts] router logits */
@@ -204,9 +222,8 @@ typedef struct {
     int dec_now;                /* ... the forward running now (decoded): dec_t for a verify forward or an
                                    MTP pass, else 1, so that a prompt's chunk runs as with --mtp 0 */
     int gemv_slots;             /* gemv_kernel blocks the GPU holds at once (per SM x SMs) */
-    cudaGraphExec_t graph[2];   /* [PASS_MAIN, PASS_MTP] the captured single-token step of each forward */
-    int captured[2];            /* [PASS_MAIN, PASS_MTP] graph[pass] holds one */
-    int capturing;              /* the stream is capturing this forward (graph[r->pass]) */
+    cudaGraphExec_t graph[GRAPHS];  /* [graph_at] the captured decoded forwards: NULL until one runs */
+    cudaGraphExec_t *capturing; /* the graph the stream is capturing now, or NULL */
     char *state;                /* [snap_bytes] every Mamba layer's conv_st then ssm (mamba_state_bytes a layer) */
     size_t snap_bytes;          /* bytes of state */
     char *snap;                 /* [SNAPSHOT_SLOTS, snap_bytes] saved copies of state (--chat) */
@@ -216,11 +233,6 @@ typedef struct {
 } GpuRank;
 
 enum { FUSED_BLOCKS = 1024, NORM_THREADS = 1024, NORM_PER = 8, FUSED_PROMPT = 64 };
-
-/* Most tokens a forward runs as decode does while drafting (r->spec > 0), each token's rows computed as
- * a one-token step computes them, bit for bit: a speculative step verifies up to spec + 1 tokens, and so
- * its greedy choices are plain decoding's. More tokens run as a prompt does. */
-enum { DECODE_T = 9 };
 
 /* Whether a forward of T tokens runs as decode does (else as a prompt: cuBLAS, the chunked scan, flash
  * attention). */
@@ -420,9 +432,10 @@ __global__ void __launch_bounds__(NORM_THREADS) rmsnorm_kernel(float *x, bf16 *x
 }
 
 /* The MTP block's input before its projection, block (t, half) (x: the rows the last forward's final
- * norm left, from the one the step reads):
- *   half 0: eh[t][0, H) = rmsnorm(embed[tok[t]]) * enorm;  half 1: eh[t][H, 2H) = rmsnorm(x[t]) * hnorm */
-__global__ void __launch_bounds__(NORM_THREADS) mtp_in_kernel(float *eh, const GMat emb, const int *tok, const float *x,
+ * norm left; the step reads them from row *row on, a device value so that one graph serves every row;
+ * a token of -1, a draft from a non-finite row, reads zeros):
+ *   half 0: eh[t][0, H) = rmsnorm(embed[tok[t]]) * enorm;  half 1: eh[t][H, 2H) = rmsnorm(x[*row + t]) * hnorm */
+__global__ void __launch_bounds__(NORM_THREADS) mtp_in_kernel(float *eh, const GMat emb, const int *tok, const float *x, const int *row,
                                                              const float *enorm, const float *hnorm, int H, float eps) {
     int t = blockIdx.x, half = blockIdx.y;
     float wv[NORM_PER], v[NORM_PER], ss = 0;
@@ -431,7 +444,7 @@ __global__ void __launch_bounds__(NORM_THREADS) mtp_in_kernel(float *eh, const G
 #pragma unroll
     for (int k = 0; k < NORM_PER; k++) {
         int i = norm_at(k);
-        v[k] = i >= H ? 0.0f : half ? x[(size_t)t * H + i] : mat_elem(emb, tok[t], i);
+        v[k] = i >= H || tok[t] < 0 ? 0.0f : half ? x[(size_t)(*row + t) * H + i] : mat_elem(emb, tok[t], i);   /* -1: zeros (nemoh.h) */
         ss += v[k] * v[k];
     }
     norm_store(eh + ((size_t)t * 2 + half) * H, NULL, NULL, 0, 0, v, ss, wv, H, eps);
@@ -3073,33 +3086,53 @@ static GpuRank *gpu_rank(Rank *r) { return (GpuRank *)r->st; }
 static int keeping(const Rank *r) { return r->keep && r->pass == PASS_MAIN; }
 static GpuShared *gpu_shared(Rank *r) { return (GpuShared *)r->sh; }
 
-/* Starts capturing this single-token forward, unless its pass has a graph already or its states are kept. */
-static void capture(Rank *r) {
-    GpuRank *g = gpu_rank(r);
-    if (!r->graph || g->captured[r->pass] || keeping(r)) return;
-    CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
-    g->capturing = 1;
+/* Most tokens a forward of this kind runs as decode does: a verify forward's (states kept) and an MTP
+ * pass's dec_t, others 1 (a prompt's chunk runs as with --mtp 0). */
+static int dec_limit(Rank *r) { return keeping(r) || r->pass == PASS_MTP ? gpu_rank(r)->dec_t : 1; }
+
+/* The graph slot of this forward of T tokens, or NULL where it is not captured (graphs off, or a prompt). */
+static cudaGraphExec_t *graph_at(Rank *r, int T) {
+    if (!r->graph || (T > 1 && T > dec_limit(r))) return NULL;
+    return &gpu_rank(r)->graph[((r->pass * (DECODE_T + 1) + T) * 2 + keeping(r)) * 2 + (r->all != 0)];
 }
 
-static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
+/* The forward's inputs onto the device (a graph reads them there) and the host's bookkeeping of it. No
+ * tokens (T = 1): the last draft, copied on the device, with no wait for the stream. */
+static void step_start(Rank *r, const int *tok, int T, int pos) {
     GpuRank *g = gpu_rank(r);
     CUDA_CHECK(cudaSetDevice(r->gpu));
-    CUDA_CHECK(cudaStreamSynchronize(g->stream));  /* host_io may still feed the previous step's copy */
-    memcpy(g->host_io, tok, (size_t)T * sizeof(int));
-    g->host_io[T] = pos;
-    CUDA_CHECK(cudaMemcpyAsync(g->tok, g->host_io, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, g->stream));
-    CUDA_CHECK(cudaMemcpyAsync(g->pos, g->host_io + T, sizeof(int), cudaMemcpyHostToDevice, g->stream));
-    g->pend_slot = 0;
     if (keeping(r) && (r->spec < 1 || T > r->spec + 1)) {
         fprintf(stderr, "nemoh: keep: %d tokens, states kept for %d\n", T, r->spec > 0 ? r->spec + 1 : 0);
         exit(1);
     }
-    g->dec_now = keeping(r) || r->pass == PASS_MTP ? g->dec_t : 1;
+    if (tok) {
+        CUDA_CHECK(cudaStreamSynchronize(g->stream));  /* host_io may still feed the previous step's copy */
+        memcpy(g->host_io, tok, (size_t)T * sizeof(int));
+        CUDA_CHECK(cudaMemcpyAsync(g->tok, g->host_io, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, g->stream));
+    } else {
+        CUDA_CHECK(cudaMemcpyAsync(g->tok, g->drafts + g->drafted, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
+    }
+    int *io = g->host_io + g->io_ring + 2 * g->ring;
+    g->ring = (g->ring + 1) % IO_RING;
+    io[0] = pos;
+    io[1] = r->pass == PASS_MTP ? r->row : 0;
+    CUDA_CHECK(cudaMemcpyAsync(g->pos, io, 2 * sizeof(int), cudaMemcpyHostToDevice, g->stream));
+    g->pend_slot = 0;
+    g->dec_now = dec_limit(r);
     if (r->pass == PASS_MAIN) {   /* a main forward moves the states on: what was kept before is stale */
         g->kept_n = keeping(r) ? T : 0;
         g->kept_live = T - 1;
     }
-    if (T == 1 && r->pass == PASS_MAIN) capture(r);   /* an MTP step starts its capture in gpu_mtp_in */
+}
+
+/* Eager, or captured where this kind of forward has no graph yet (gpu_end then runs it). */
+static void gpu_begin(Rank *r, const int *tok, int T, int pos) {
+    GpuRank *g = gpu_rank(r);
+    step_start(r, tok, T, pos);
+    cudaGraphExec_t *e = graph_at(r, T);
+    if (!e) return;
+    CUDA_CHECK(cudaStreamBeginCapture(g->stream, cudaStreamCaptureModeThreadLocal));
+    g->capturing = e;
 }
 
 static void gpu_end(Rank *r, int T) {
@@ -3108,28 +3141,20 @@ static void gpu_end(Rank *r, int T) {
     if (!g->capturing) return;
     cudaGraph_t graph;
     CUDA_CHECK(cudaStreamEndCapture(g->stream, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&g->graph[r->pass], graph, 0));
+    CUDA_CHECK(cudaGraphInstantiate(g->capturing, graph, 0));
     CUDA_CHECK(cudaGraphDestroy(graph));
-    g->capturing = 0;
-    g->captured[r->pass] = 1;
-    CUDA_CHECK(cudaGraphLaunch(g->graph[r->pass], g->stream));  /* the capture recorded the step; now run it */
+    CUDA_CHECK(cudaGraphLaunch(*g->capturing, g->stream));  /* the capture recorded the forward; now run it */
+    g->capturing = NULL;
 }
 
-/* Replays this pass's single-token graph. The MTP pass's was captured with mtp_in's row 0 (a host
- * value the graph holds): the layer loop asks for it only where that row is 0, and runs the others
- * eagerly. */
+/* Replays this kind of forward's graph, if it has one. */
 static int gpu_replay(Rank *r, const int *tok, int T, int pos) {
     GpuRank *g = gpu_rank(r);
-    if (T != 1 || !g->captured[r->pass] || keeping(r)) return 0;   /* a step whose states are kept runs eagerly */
-    CUDA_CHECK(cudaSetDevice(r->gpu));
-    CUDA_CHECK(cudaStreamSynchronize(g->stream));
-    if (r->pass == PASS_MAIN) g->kept_n = 0;
-    g->host_io[0] = tok[0];
-    g->host_io[1] = pos;
-    CUDA_CHECK(cudaMemcpyAsync(g->tok, g->host_io, sizeof(int), cudaMemcpyHostToDevice, g->stream));
-    CUDA_CHECK(cudaMemcpyAsync(g->pos, g->host_io + 1, sizeof(int), cudaMemcpyHostToDevice, g->stream));
-    CUDA_CHECK(cudaGraphLaunch(g->graph[r->pass], g->stream));
-    g->rows = 1;
+    cudaGraphExec_t *e = graph_at(r, T);
+    if (!e || !*e) return 0;
+    step_start(r, tok, T, pos);
+    CUDA_CHECK(cudaGraphLaunch(*e, g->stream));
+    g->rows = r->all ? T : 1;
     return 1;
 }
 
@@ -3200,9 +3225,8 @@ static void gpu_mtp_in(Rank *r, const int *tok, int T, int row) {
     const Config *c = r->c;
     int H = c->hidden;
     if (row < 0 || row + T > r->t_max) { fprintf(stderr, "nemoh: mtp_in: rows %d..%d of %d\n", row, row + T - 1, r->t_max); exit(1); }
-    if (T == 1 && row == 0) capture(r);   /* the graph holds row: only row 0 is replayed (gpu_replay) */
-    LAUNCH(dim3(T, 2), NORM_THREADS, 0, g->stream, mtp_in_kernel, g->eh, (const GMat)g->embed, (const int *)g->tok,
-           (const float *)g->x + (size_t)row * H, (const float *)g->enorm, (const float *)g->hnorm, H, c->eps);
+    LAUNCH(dim3(T, 2), NORM_THREADS, 0, g->stream, mtp_in_kernel, g->eh, (const GMat)g->embed, (const int *)g->tok, (const float *)g->x,
+           (const int *)g->pos + 1, (const float *)g->enorm, (const float *)g->hnorm, H, c->eps);
     matmul(g, g->res, H, g->eh, 2 * H, T, &g->eh_proj, EPI_NONE, first_product(g, c, c->n_layers), NULL);
 }
 
@@ -3480,6 +3504,24 @@ static void gpu_sample(Rank *r, int n, float temp, float topp, uint64_t seed, ui
     CUDA_CHECK(cudaMemcpyAsync(g->host_io, g->sampled, n * sizeof(int), cudaMemcpyDeviceToHost, g->stream));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
     memcpy(out, g->host_io, n * sizeof(int));
+}
+
+/* Draft j: the argmax of the last logits row, on the device (what the next pass fed no tokens reads). */
+static void gpu_draft(Rank *r, int j) {
+    GpuRank *g = gpu_rank(r);
+    int V = r->c->vocab;
+    if (j < 0 || j >= std::max(r->spec, 1)) { fprintf(stderr, "nemoh: draft %d, room for %d\n", j, r->spec); exit(1); }
+    LAUNCH(1, 1024, SAMPLE_CAND * sizeof(float), g->stream, sample_kernel, g->drafts + j, (const float *)g->logits + (size_t)(g->rows - 1) * V,
+           g->probs, V, 0.0f, 1.0f, (uint64_t)0, (uint64_t)0);
+    g->drafted = j;
+}
+
+/* The step's drafts to the host: one copy back, one sync. */
+static void gpu_drafts(Rank *r, int k, int *out) {
+    GpuRank *g = gpu_rank(r);
+    CUDA_CHECK(cudaMemcpyAsync(g->host_io, g->drafts, k * sizeof(int), cudaMemcpyDeviceToHost, g->stream));
+    CUDA_CHECK(cudaStreamSynchronize(g->stream));
+    memcpy(out, g->host_io, k * sizeof(int));
 }
 
 static const float *gpu_host_logits(Rank *r, int rows) {
@@ -3884,9 +3926,11 @@ static void gpu_init(Rank *r) {
     CUDA_CHECK(cudaMallocHost(&g->host_logits, (size_t)sh->logit_rows * c->vocab * sizeof(float)));
     g->probs = zeros((size_t)g->sample_rows * c->vocab);
     CUDA_CHECK(cudaMalloc(&g->tok, T * sizeof(int)));
-    CUDA_CHECK(cudaMalloc(&g->pos, sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&g->pos, 2 * sizeof(int)));
     CUDA_CHECK(cudaMalloc(&g->sampled, g->sample_rows * sizeof(int)));
-    CUDA_CHECK(cudaMallocHost(&g->host_io, (std::max(T, (size_t)g->sample_rows) + 2) * sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&g->drafts, std::max(r->spec, 1) * sizeof(int)));
+    g->io_ring = (int)std::max({T, (size_t)g->sample_rows, (size_t)r->spec});
+    CUDA_CHECK(cudaMallocHost(&g->host_io, (g->io_ring + 2 * IO_RING) * sizeof(int)));
     CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -3895,8 +3939,8 @@ static void gpu_free(Rank *r) {
     const Config *c = r->c;
     CUDA_CHECK(cudaSetDevice(r->gpu));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
-    for (int p : {PASS_MAIN, PASS_MTP})
-        if (g->captured[p]) CUDA_CHECK(cudaGraphExecDestroy(g->graph[p]));
+    for (cudaGraphExec_t e : g->graph)
+        if (e) CUDA_CHECK(cudaGraphExecDestroy(e));
     symmetric_window_free(gpu_shared(r)->comm[r->s.rank], &g->pend);
     for (int l = 0; l < n_all(c); l++) {
         GLayer *gl = &g->L[l];
@@ -3910,7 +3954,7 @@ static void gpu_free(Rank *r) {
     free_mat(&g->lm_head);
     free_mat(&g->eh_proj);
     void *ptrs[] = {g->deq, g->norm_f, g->enorm, g->hnorm, g->mtp_norm, g->eh, g->res, g->x, g->x16, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part,
-                    g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->blas_ws,
+                    g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->drafts, g->blas_ws,
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     moe_free(g);
@@ -3971,6 +4015,8 @@ extern "C" const Backend cuda_backend = {
     .snapshot = gpu_snapshot,
     .mtp_in = gpu_mtp_in,
     .rewind = gpu_rewind,
+    .draft = gpu_draft,
+    .drafts = gpu_drafts,
 };
 
 /* ------------------------------------------------------------------------------------------------

@@ -195,9 +195,14 @@ typedef struct {
     /* Multi-token prediction. mtp_in: residual[t] = eh_proj([enorm(embed[tok[t]]) ; hnorm(x[row + t])])
      * for t < T, x as the last forward's final norm left it (the model's h, or the block's own output).
      * rewind: every Mamba layer's conv window and SSM state := the one after token t of the last
-     * forward run with r->keep set (t below that forward's last token, t < r->spec). */
+     * forward run with r->keep set (t below that forward's last token, t < r->spec). tok NULL (T = 1):
+     * the last draft made (after a non-finite row's, zeros in both halves: that pass's draft is unused). draft: draft j (< r->spec) := the argmax of the last logits row, kept where the
+     * logits are (a GPU's drafts feed the next pass with no round trip to the host); drafts: out[j] :=
+     * draft j for j < k, -1 where its row was not finite. */
     void (*mtp_in)(Rank *r, const int *tok, int T, int row);
     void (*rewind)(Rank *r, int t);
+    void (*draft)(Rank *r, int j);
+    void (*drafts)(Rank *r, int k, int *out);
 } Backend;
 
 struct Rank {
@@ -212,10 +217,12 @@ struct Rank {
     int fuse;                   /* 1: fused all-reduce at the next layer's entry; 0: at layer end */
     int trace;                  /* print what each layer of the next single-token step runs */
     int gpu;                    /* device index (CUDA backend) */
-    int graph;                  /* capture the single-token step once as a CUDA graph and replay it */
+    int graph;                  /* capture each kind of decoded forward once as a CUDA graph and replay it */
     int spec;                   /* most draft tokens one step verifies (0: none); states for spec + 1 */
     int keep;                   /* 1: the next forward records each token's recurrent state (rewind) */
     int pass;                   /* PASS_MAIN or PASS_MTP: the forward now running */
+    int all;                    /* ... makes every token's logits (else the last's) */
+    int row;                    /* ... (MTP) reads the x rows from this one on (mtp_in's row) */
     int draft_vocab;            /* the MTP pass's logits and drafts: token ids below it (--mtp-vocab) */
 };
 

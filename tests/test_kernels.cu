@@ -319,6 +319,9 @@ static void test_mtp_in(int fe, int fw, int H, int T, int row, int dec_t) {
     g.res = dev_copy(std::vector<float>((size_t)T * H, NAN));
     CUDA_CHECK(cudaMalloc(&g.tok, T * sizeof(int)));
     CUDA_CHECK(cudaMemcpy(g.tok, tok.data(), T * sizeof(int), cudaMemcpyHostToDevice));
+    int pos_row[2] = {0, row};   /* (position, x row) as gpu_begin puts them on the device */
+    CUDA_CHECK(cudaMalloc(&g.pos, sizeof pos_row));
+    CUDA_CHECK(cudaMemcpy(g.pos, pos_row, sizeof pos_row, cudaMemcpyHostToDevice));
     Rank r;
     memset(&r, 0, sizeof r);
     r.c = &c;
@@ -354,7 +357,7 @@ static void test_mtp_in(int fe, int fw, int H, int T, int row, int dec_t) {
     expect(what, host_copy(g.res, ref.size()), ref, 2e-5);
     free_mat(&g.embed);
     free_mat(&g.eh_proj);
-    for (void *p : {(void *)g.enorm, (void *)g.hnorm, (void *)g.x, (void *)g.eh, (void *)g.res, (void *)g.tok}) CUDA_CHECK(cudaFree(p));
+    for (void *p : {(void *)g.enorm, (void *)g.hnorm, (void *)g.x, (void *)g.eh, (void *)g.res, (void *)g.tok, (void *)g.pos}) CUDA_CHECK(cudaFree(p));
     free_rank(&g);
 }
 
@@ -1296,7 +1299,7 @@ static void tiny_layer(Rank *r, int l, int first, int T, int pos) {
 
 static void tiny_forward(Rank *r, const int *tok, int T, int pos, int all) {
     const Backend *be = &cuda_backend;
-    r->pass = PASS_MAIN;
+    r->pass = PASS_MAIN, r->all = all, r->row = 0;
     if (be->replay(r, tok, T, pos)) return;
     be->begin(r, tok, T, pos);
     be->embed(r, tok, T);
@@ -1307,11 +1310,11 @@ static void tiny_forward(Rank *r, const int *tok, int T, int pos, int all) {
     be->end(r, T);
 }
 
-/* The MTP block over T tokens at pos, its hidden states x rows row .. row + T - 1; a replay only from row 0. */
+/* The MTP block over T tokens at pos (tok NULL: the last draft), its hidden states x rows row .. row + T - 1. */
 static void tiny_mtp(Rank *r, const int *tok, int T, int row, int pos, int all) {
     const Backend *be = &cuda_backend;
-    r->pass = PASS_MTP;
-    if (!(row == 0 && be->replay(r, tok, T, pos))) {
+    r->pass = PASS_MTP, r->all = all, r->row = row;
+    if (!be->replay(r, tok, T, pos)) {
         be->begin(r, tok, T, pos);
         be->mtp_in(r, tok, T, row);
         for (int l = r->c->n_layers; l < n_all(r->c); l++) tiny_layer(r, l, l == r->c->n_layers, T, pos);
@@ -1449,8 +1452,10 @@ static void test_engine(int fmt, int spec, int T) {
         lm1[t] = logits(1);
     }
     expect_same("... the MTP block over T tokens = one token at a time, row t", lm, cat(lm1));
-    /* graphs: the main step eager, captured, replayed; the MTP step from row 2 (eager), row 0 captured, replayed */
-    int next = (int)(rng() % V), nd = (int)(rng() % V);
+    /* graphs, each kind captured at its first run and replayed after: the main step; the MTP step from
+       rows 0 and R (one graph: it reads the row on the device); the step of T tokens with keep */
+    int next = (int)(rng() % V), nd = (int)(rng() % V), R = T > 2 ? 2 : T - 1;
+    auto graphs = [&]() { int n = 0; for (cudaGraphExec_t e : g->graph) n += e != NULL; return n; };
     be->snapshot(&r, 1, 1);
     auto main_step = [&](int graph) {
         r.graph = graph;
@@ -1458,28 +1463,46 @@ static void test_engine(int fmt, int spec, int T) {
         tiny_forward(&r, &next, 1, P + T, 1);
         return fin(logits(1));
     };
-    auto mtp_step = [&](int graph, int row) {
+    auto mtp_step = [&](int graph, int row, const int *tok) {
         r.graph = graph;
         CUDA_CHECK(cudaMemcpy(g->x, x_step.data(), x_step.size() * sizeof(float), cudaMemcpyHostToDevice));
-        tiny_mtp(&r, &nd, 1, row, P + T, 1);
+        tiny_mtp(&r, tok, 1, row, P + T, 1);
         return fin(logits(1));
     };
     std::vector<float> e0 = main_step(0), e1 = main_step(1);
-    expect_int("... graphs: the main step captured", g->captured[PASS_MAIN] && !g->captured[PASS_MTP], 1);
+    expect_int("... graphs: the main step captured", graphs(), 1);
     std::vector<float> e2 = main_step(1);
     expect_same("... the captured main step = the eager one", e1, e0);
     expect_same("... its replay = the eager one", e2, e0);
-    std::vector<float> m0 = mtp_step(0, 0);
-    if (T > 2) {
-        mtp_step(1, 2);
-        expect_int("... an MTP step from row 2 captures nothing", g->captured[PASS_MTP], 0);
-    }
-    std::vector<float> m1 = mtp_step(1, 0);
-    expect_int("... the MTP step from row 0 captured", g->captured[PASS_MTP], 1);
-    std::vector<float> m2 = mtp_step(1, 0);
-    expect_same("... the captured MTP step = the eager one", m1, m0);
-    expect_same("... its replay = the eager one, not the main graph", m2, m0);
+    std::vector<float> m0 = mtp_step(0, 0, &nd), mr = mtp_step(0, R, &nd), m1 = mtp_step(1, R, &nd);
+    expect_int("... the MTP step from row R captured: one graph more", graphs(), 2);
+    expect_same("... the captured MTP step from row R = the eager one", m1, mr);
+    expect_same("... its replay from row 0 = the eager one from row 0", mtp_step(1, 0, &nd), m0);
+    expect_same("... and from row R again = the eager one", mtp_step(1, R, &nd), mr);
     expect_same("... the main step's replay after it = the eager one", main_step(1), e0);
+    /* a draft made on the device, then a pass fed it with no tokens from the host */
+    be->draft(&r, 0);
+    int d0 = -2;
+    be->drafts(&r, 1, &d0);
+    expect_int("... draft 0 = the argmax of the MTP step's logits", d0, (int)(std::max_element(mr.begin(), mr.end()) - mr.begin()));
+    std::vector<float> fed = mtp_step(1, R, NULL);
+    expect_same("... the MTP step fed draft 0 on the device = fed it from the host", fed, mtp_step(0, R, &d0));
+    /* the step of T tokens with keep, captured, then replayed: logits and states as the one-token steps' */
+    auto keep_step = [&]() {
+        r.graph = 1;
+        be->snapshot(&r, 0, 0);
+        r.keep = 1;
+        tiny_forward(&r, step.data(), T, P, 1);
+        r.keep = 0;
+        return fin(logits(T));
+    };
+    int had = graphs();
+    expect_same("... the captured step of T tokens with keep = the one-token steps", keep_step(), cat(l1));
+    expect_int("... captured: one graph more", graphs(), had + 1);
+    expect_same("... its replay = the one-token steps", keep_step(), cat(l1));
+    expect_same("... Mamba state after the replay = after the last one-token step", state(), s1[T - 1]);
+    be->rewind(&r, 0);
+    expect_same("... rewind(0) after the replay: token 0's state", state(), s1[0]);
     expect_int("... every logit finite", finite, 1);
     be->free(&r);
     be->teardown(r.sh);
