@@ -154,9 +154,12 @@ enum { DECODE_T = 9 };
  * read from device memory (tokens, position, the MTP pass's x row), so one graph serves every step. */
 enum { GRAPHS = 2 * (DECODE_T + 1) * 2 * 2 };
 
-/* The host syncs with a rank's stream at least once every SPEC_MAX + 1 forwards (a step's draft passes,
- * fed no tokens from the host, do not wait), so that many (position, row) pairs in flight suffice. */
-enum { IO_RING = SPEC_MAX + 1 };
+/* A decoded forward's inputs go to the device in one copy, [position, x row, tokens], from a ring of
+ * pinned entries, so that no forward waits for the one before it: a step's forwards (verify, MTP pass,
+ * draft passes) are queued together. An entry is reused once its copy is done (an event each; a step
+ * syncs more often than the ring wraps, so that wait is rare). A prompt's chunk longer than an entry
+ * waits for the stream, then goes from host_io's start. */
+enum { IO_RING = SPEC_MAX + 1, IO_ENTRY = 2 + DECODE_T };
 
 typedef struct {
     cudaStream_t stream;        /* everything of this rank runs in order on it */
@@ -195,14 +198,16 @@ typedef struct {
     float *host_logits;         /* [logit_rows, vocab] pinned copy for --dump-logits */
     float *probs;               /* [sample_rows, vocab] sampling scratch */
     int sample_rows;            /* most logits rows one sample call draws from: min(logit_rows, spec + 1) */
-    int *tok;                   /* [t_max] token ids of this step */
-    int *pos;                   /* [2] position of the step's first token; the MTP pass's first x row (r->row) */
+    int *pos;                   /* [2 + t_max] position of the step's first token; the MTP pass's first x row
+                                   (r->row); then the step's token ids, tok */
+    int *tok;                   /* pos + 2 */
     int *sampled;               /* [sample_rows] the sampled tokens */
     int *drafts;                /* [max(spec, 1)] the drafts made this step (gpu_draft) */
     int drafted;                /* ... the last one's index: a pass fed no tokens reads it */
-    int *host_io;               /* [io_ring] pinned staging: tokens in, sampled tokens and drafts out; then
-                                   IO_RING (position, x row) pairs, a forward's each */
-    int io_ring, ring;          /* where the pairs start; the next pair */
+    int *host_io;               /* [io_ring] pinned staging: a prompt chunk's inputs in, sampled tokens and
+                                   drafts out; then IO_RING entries of IO_ENTRY, a decoded forward's inputs */
+    int io_ring, ring;          /* where the entries start; the next entry */
+    cudaEvent_t io_done[IO_RING];  /* each entry's copy done */
     int *moe_idx;               /* [t_max, top_k] chosen experts of each token, best first */
     float *moe_w;               /* [t_max, top_k] their weights */
     float *moe_logits;          /* [t_max, n_experts] router logits */
@@ -3097,7 +3102,7 @@ static cudaGraphExec_t *graph_at(Rank *r, int T) {
 }
 
 /* The forward's inputs onto the device (a graph reads them there) and the host's bookkeeping of it. No
- * tokens (T = 1): the last draft, copied on the device, with no wait for the stream. */
+ * tokens (T = 1): the last draft, copied on the device. */
 static void step_start(Rank *r, const int *tok, int T, int pos) {
     GpuRank *g = gpu_rank(r);
     CUDA_CHECK(cudaSetDevice(r->gpu));
@@ -3105,18 +3110,21 @@ static void step_start(Rank *r, const int *tok, int T, int pos) {
         fprintf(stderr, "nemoh: keep: %d tokens, states kept for %d\n", T, r->spec > 0 ? r->spec + 1 : 0);
         exit(1);
     }
-    if (tok) {
-        CUDA_CHECK(cudaStreamSynchronize(g->stream));  /* host_io may still feed the previous step's copy */
-        memcpy(g->host_io, tok, (size_t)T * sizeof(int));
-        CUDA_CHECK(cudaMemcpyAsync(g->tok, g->host_io, (size_t)T * sizeof(int), cudaMemcpyHostToDevice, g->stream));
-    } else {
-        CUDA_CHECK(cudaMemcpyAsync(g->tok, g->drafts + g->drafted, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
-    }
-    int *io = g->host_io + g->io_ring + 2 * g->ring;
+    int *io = g->host_io + g->io_ring + IO_ENTRY * g->ring, n = tok ? T : 0;
+    cudaEvent_t done = g->io_done[g->ring];
     g->ring = (g->ring + 1) % IO_RING;
+    if (T > DECODE_T) {   /* a prompt's chunk: host_io's start, once the copy that last read it is done */
+        CUDA_CHECK(cudaStreamSynchronize(g->stream));
+        io = g->host_io;
+    } else {
+        CUDA_CHECK(cudaEventSynchronize(done));
+    }
     io[0] = pos;
     io[1] = r->pass == PASS_MTP ? r->row : 0;
-    CUDA_CHECK(cudaMemcpyAsync(g->pos, io, 2 * sizeof(int), cudaMemcpyHostToDevice, g->stream));
+    if (tok) memcpy(io + 2, tok, (size_t)T * sizeof(int));
+    else CUDA_CHECK(cudaMemcpyAsync(g->tok, g->drafts + g->drafted, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
+    CUDA_CHECK(cudaMemcpyAsync(g->pos, io, (2 + n) * sizeof(int), cudaMemcpyHostToDevice, g->stream));
+    CUDA_CHECK(cudaEventRecord(done, g->stream));
     g->pend_slot = 0;
     g->dec_now = dec_limit(r);
     if (r->pass == PASS_MAIN) {   /* a main forward moves the states on: what was kept before is stale */
@@ -3925,12 +3933,13 @@ static void gpu_init(Rank *r) {
     g->logits = s->n > 1 ? zeros((size_t)sh->logit_rows * c->vocab) : g->logits_local;
     CUDA_CHECK(cudaMallocHost(&g->host_logits, (size_t)sh->logit_rows * c->vocab * sizeof(float)));
     g->probs = zeros((size_t)g->sample_rows * c->vocab);
-    CUDA_CHECK(cudaMalloc(&g->tok, T * sizeof(int)));
-    CUDA_CHECK(cudaMalloc(&g->pos, 2 * sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&g->pos, (2 + T) * sizeof(int)));
+    g->tok = g->pos + 2;
     CUDA_CHECK(cudaMalloc(&g->sampled, g->sample_rows * sizeof(int)));
     CUDA_CHECK(cudaMalloc(&g->drafts, std::max(r->spec, 1) * sizeof(int)));
-    g->io_ring = (int)std::max({T, (size_t)g->sample_rows, (size_t)r->spec});
-    CUDA_CHECK(cudaMallocHost(&g->host_io, (g->io_ring + 2 * IO_RING) * sizeof(int)));
+    g->io_ring = (int)std::max({2 + T, (size_t)g->sample_rows, (size_t)r->spec});
+    CUDA_CHECK(cudaMallocHost(&g->host_io, (g->io_ring + IO_ENTRY * IO_RING) * sizeof(int)));
+    for (cudaEvent_t &e : g->io_done) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -3954,7 +3963,7 @@ static void gpu_free(Rank *r) {
     free_mat(&g->lm_head);
     free_mat(&g->eh_proj);
     void *ptrs[] = {g->deq, g->norm_f, g->enorm, g->hnorm, g->mtp_norm, g->eh, g->res, g->x, g->x16, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part,
-                    g->gss, g->logits_local, g->probs, g->tok, g->pos, g->sampled, g->drafts, g->blas_ws,
+                    g->gss, g->logits_local, g->probs, g->pos, g->sampled, g->drafts, g->blas_ws,
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     moe_free(g);
@@ -3963,6 +3972,7 @@ static void gpu_free(Rank *r) {
     CUDA_CHECK(cudaFree(g->kept));
     CUDA_CHECK(cudaFreeHost(g->host_logits));
     CUDA_CHECK(cudaFreeHost(g->host_io));
+    for (cudaEvent_t e : g->io_done) CUDA_CHECK(cudaEventDestroy(e));
     CUBLAS_CHECK(cublasDestroy(g->blas));
     CUDA_CHECK(cudaStreamDestroy(g->stream));
     free(g);
