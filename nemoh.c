@@ -234,6 +234,8 @@ typedef struct {
     float *ew;                  /* [t_max] their weights for that expert */
     int draft[SPEC_MAX];        /* the drafts made this step (cpu_draft) */
     int drafted;                /* ... the last one's index */
+    int acc[SPEC_MAX + 2];      /* the last accept's n, t_0..t_{T-1} */
+    int accepted;               /* 1: the next MTP pass fed no tokens reads t_0.. (else the last draft) */
 } CpuState;
 
 static int cpu_threads = 1;     /* OpenMP threads per rank: the cores shared among the ranks */
@@ -1003,15 +1005,16 @@ static void cpu_sample(Rank *r, int n, float temp, float topp, uint64_t seed, ui
 }
 
 /* residual[t] = eh_proj([enorm(embed[tok[t]]) ; hnorm(x[row + t])]): the MTP block's input. No tok:
- * the last draft; after a non-finite row's (-1), zeros (that pass's draft is not used, and a router
- * must not see the row's NaN) */
+ * the accepted tokens, or the last draft; a token of -1 (a non-finite row's) gives zeros (that pass's
+ * draft is not used, and a router must not see the row's NaN) */
 static void cpu_mtp_in(Rank *r, const int *tok, int T, int row) {
     CpuState *st = r->st;
-    int H = r->c->hidden, none = !tok && st->draft[st->drafted] < 0;
-    tok = tok ? tok : &st->draft[st->drafted];
+    int H = r->c->hidden;
+    if (!tok) tok = st->accepted ? st->acc + 1 : &st->draft[st->drafted];
+    st->accepted = 0;
     for (int t = 0; t < T; t++) {
         float *eh = st->eh + (size_t)t * 2 * H;
-        if (none) {
+        if (tok[t] < 0) {
             memset(eh, 0, 2 * (size_t)H * sizeof(float));
             continue;
         }
@@ -1035,13 +1038,30 @@ static void cpu_rewind(Rank *r, int t) {
     }
 }
 
+/* The verify step (be->accept), on the host: n is known at once. */
+static int cpu_accept(Rank *r, const int *tok, int T, float temp, float topp, uint64_t seed, uint64_t step) {
+    CpuState *st = r->st;
+    int n = 0;
+    cpu_sample(r, T, temp, topp, seed, step, st->acc + 1);
+    while (n < T - 1 && tok[n + 1] == st->acc[n + 1]) n++;
+    if (n < T - 1) cpu_rewind(r, n);
+    st->acc[0] = n;
+    st->accepted = 1;
+    return n;
+}
+
+/* The pass ran with the accepted count known: its drafting token's row is the last. */
 static void cpu_draft(Rank *r, int j) {
     CpuState *st = r->st;
     cpu_sample(r, 1, 0, 1, 0, 0, &st->draft[j]);
     st->drafted = j;
 }
 
-static void cpu_drafts(Rank *r, int k, int *out) { memcpy(out, ((CpuState *)r->st)->draft, (size_t)k * sizeof(int)); }
+static void cpu_outcome(Rank *r, int T, int k, int *out) {
+    CpuState *st = r->st;
+    if (T) memcpy(out, st->acc, (size_t)(T + 1) * sizeof(int));
+    memcpy(out + (T ? T + 1 : 0), st->draft, (size_t)k * sizeof(int));
+}
 
 static const float *cpu_host_logits(Rank *r, int rows) {
     (void)rows;
@@ -1092,7 +1112,8 @@ static const Backend cpu_backend = {
     .name = "cpu", .setup = cpu_setup, .teardown = cpu_teardown, .init = cpu_init, .free = cpu_free, .embed = cpu_embed, .norm = cpu_norm,
     .mamba = cpu_mamba, .attention = cpu_attention, .mlp = cpu_mlp, .moe = cpu_moe, .allreduce = cpu_allreduce,
     .logits = cpu_logits, .sample = cpu_sample, .host_logits = cpu_host_logits,
-    .snapshot = cpu_snapshot, .mtp_in = cpu_mtp_in, .rewind = cpu_rewind, .draft = cpu_draft, .drafts = cpu_drafts,
+    .snapshot = cpu_snapshot, .mtp_in = cpu_mtp_in, .accept = cpu_accept, .rewind = cpu_rewind, .draft = cpu_draft,
+    .outcome = cpu_outcome,
 };
 
 /* ------------------------------------------------------------------------------------------------
@@ -1153,7 +1174,8 @@ static void forward(Rank *r, const int *tok, int T, int pos, int all_logits) {
 
 /* The MTP block over T positions pos..: token tok[t] is the one after position pos + t, and x row
  * row + t the hidden state the last forward left for that position (the model's after norm_f, or
- * the block's own output, for a draft of a draft):
+ * the block's own output, for a draft of a draft). tok NULL: the tokens are on the rank (be->mtp_in),
+ * and pos and row may be -1: only the rank knows them (a GPU's accepted count, be->accept).
  *   g = final_layernorm(block(eh_proj([enorm(embed[tok]) ; hnorm(h)]))); logits = lm_head(g)
  * Its attention keeps its own cache, positions as the model's. */
 static void mtp_forward(Rank *r, const int *tok, int T, int row, int pos, int all_logits) {
@@ -1285,7 +1307,7 @@ static void engine_forward(Engine *e, const int *tok, int T, int pos, int all, i
 }
 
 /* The MTP block on all ranks (mtp_forward): tokens tok[0..T) after positions pos.., on x rows row..
- * (tok NULL: the last draft, be->draft). */
+ * (tok NULL: those on the rank, be->mtp_in; pos and row -1: the rank's own). */
 static void engine_mtp(Engine *e, const int *tok, int T, int row, int pos, int all) {
     FwdArgs a = {tok, T, pos, all, 0, 1, row};
     run_ranks(e, job_forward, &a);
@@ -1319,21 +1341,43 @@ static void engine_sample_rows(Engine *e, int n, float temp, float topp, uint64_
     }
 }
 
-/* Every rank makes draft j from its last logits row and keeps it (be->draft). */
+/* Every rank accepts the drafts of the verify forward just run, fed tok[0..T) (be->accept): n, or -1
+ * where it stays on the device until engine_outcome. */
+typedef struct { const int *tok; int T; float temp, topp; uint64_t seed, step; int n[64]; } AcceptArgs;
+static void job_accept(Rank *r, void *arg) {
+    AcceptArgs *a = arg;
+    a->n[r->s.rank] = r->be->accept(r, a->tok, a->T, a->temp, a->topp, a->seed, a->step);
+}
+static int engine_accept(Engine *e, const int *tok, int T, float temp, float topp, uint64_t seed, uint64_t step) {
+    AcceptArgs a = {tok, T, temp, topp, seed, step, {0}};
+    run_ranks(e, job_accept, &a);
+    ranks_agree(e, a.n, 1, "accepted drafts");
+    return a.n[0];
+}
+
+/* Every rank makes draft j from its drafting row's logits and keeps it (be->draft). */
 static void job_draft(Rank *r, void *arg) { r->be->draft(r, *(int *)arg); }
 static void engine_draft(Engine *e, int j) { run_ranks(e, job_draft, &j); }
 
-/* The k drafts every rank made (be->drafts), which must agree; -1 where a row was not finite. */
-typedef struct { int k, *out; } DraftsArgs;
-static void job_drafts(Rank *r, void *arg) { DraftsArgs *a = arg; r->be->drafts(r, a->k, a->out + r->s.rank * a->k); }
-static void engine_drafts(Engine *e, int k, int *tok) {
-    int out[64 * SPEC_MAX];
-    DraftsArgs a = {k, out};
-    run_ranks(e, job_drafts, &a);
-    ranks_agree(e, out, k, "draft");
-    for (int j = 0; j < k; j++)
-        if (out[j] >= e->c.vocab) die("draft %d is token %d, past the vocabulary (%d)", j, out[j], e->c.vocab);
-    memcpy(tok, out, (size_t)k * sizeof(int));
+/* out = [n, t_0..t_{T-1}] of the last accept (none where T = 0), then k drafts (-1 where a row was not
+ * finite): every rank's (be->outcome), which must agree. A token the model sampled that is -1 (a row
+ * not finite) is an error. */
+typedef struct { int T, k, *out; } OutcomeArgs;
+static void job_outcome(Rank *r, void *arg) {
+    OutcomeArgs *a = arg;
+    r->be->outcome(r, a->T, a->k, a->out + r->s.rank * (a->T + !!a->T + a->k));
+}
+static void engine_outcome(Engine *e, int T, int k, int *out) {
+    int w = T + !!T + k, all[64 * (2 * SPEC_MAX + 2)];
+    OutcomeArgs a = {T, k, all};
+    run_ranks(e, job_outcome, &a);
+    ranks_agree(e, all, w, "step outcome");
+    if (T && (all[0] < 0 || all[0] >= T)) die("accepted %d drafts of %d", all[0], T - 1);
+    for (int j = 1; j <= T; j++)
+        if (all[j] < 0 || all[j] >= e->c.vocab) die("non-finite logits (run with --cpu to find the first layer that made them)");
+    for (int j = w - k; j < w; j++)
+        if (all[j] >= e->c.vocab) die("draft %d is token %d, past the vocabulary (%d)", j - (w - k), all[j], e->c.vocab);
+    memcpy(out, all, (size_t)w * sizeof(int));
 }
 
 static int engine_sample(Engine *e, float temp, float topp, uint64_t seed, uint64_t step) {
@@ -1494,37 +1538,45 @@ static void dec_prefill(Decoder *d, const int *ids, int from, int to, int n_ids)
     d->n_tok = d->next = 0;
 }
 
-/* The MTP pass over positions from..from+T-1 (the token after each in tok), on the hidden states in
- * rows 0..T-1, then the drafts for the next step: its argmax, and K - 1 more of the block's own, each
- * pass fed the draft before it where the backend keeps it (one round trip for all of them). */
-static void dec_draft(Decoder *d, const int *tok, int T, int from) {
+/* The MTP pass over positions from..from+T-1 (the token after each in tok; NULL: the accepted ones,
+ * on the rank), on the hidden states in rows 0..T-1, then the drafts for the next step: the argmax at
+ * its drafting row, at, and K - 1 more of the block's own, each pass fed the draft before it on the
+ * rank. at = -1: only the rank knows it (the accepted count; the pass makes every row's logits, and
+ * later passes' positions are the rank's). d->pos and d->n_tok are the most the step may leave them
+ * (what bounds the drafts); the drafts come back with engine_outcome. */
+static int dec_draft(Decoder *d, const int *tok, int T, int from, int at) {
     Engine *e = d->e;
-    engine_mtp(e, tok, T, 0, from, d->dump_mtp);
+    engine_mtp(e, tok, T, 0, from, d->dump_mtp || at < 0);
     if (d->dump_mtp) dec_keep_rows(d, &d->mtp_rows, &d->mtp_cap, from, T, d->e->rank[0].draft_vocab);
     int k = d->k, room = d->ctx - 1 - d->pos, want = d->left - d->n_tok - 1;
     k = k < room ? k : room;
     k = k < want ? k : want;
     for (int j = 0; j < k; j++) {
-        if (j) engine_mtp(e, NULL, 1, j == 1 ? T - 1 : 0, d->pos + j - 1, 0);
+        if (j) engine_mtp(e, NULL, 1, j == 1 ? at : 0, at < 0 ? -1 : from + at + j, 0);
         engine_draft(e, j);
     }
-    if (k > 0) engine_drafts(e, k, d->draft);
-    d->n_draft = 0;
-    while (d->n_draft < k && d->draft[d->n_draft] >= 0) d->n_draft++;   /* up to the block's first non-finite row */
+    return k > 0 ? k : 0;
+}
+
+/* The drafts the step made (k of them), from its outcome's tail, up to the block's first non-finite
+ * row; with the test hook, the recorded tokens, one corrupted at draft (steps mod (k + 1)), so that
+ * every accepted count 0..k occurs and the state rewinds across every kind of layer. */
+static void dec_take_drafts(Decoder *d, const int *draft, int k) {
+    for (d->n_draft = 0; d->n_draft < k && draft[d->n_draft] >= 0; d->n_draft++) d->draft[d->n_draft] = draft[d->n_draft];
     if (!d->force) return;
-    /* the test hook: the recorded tokens, one corrupted at draft (steps mod (k + 1)), so that every
-       accepted count 0..k occurs and the state rewinds across every kind of layer */
     for (int j = 0; j < d->n_draft; j++) {
         int at = d->pos + j + 1 - d->gen0;
         d->draft[j] = at >= 0 && at < d->n_force ? d->force[at] : d->draft[j];
-        if (j == d->steps % (d->k + 1)) d->draft[j] = (d->draft[j] + 1) % e->c.vocab;
+        if (j == d->steps % (d->k + 1)) d->draft[j] = (d->draft[j] + 1) % d->e->c.vocab;
     }
 }
 
 /* The next token: handed out from the last step, or made by a new step, which first feeds the last
- * token handed out (and the drafts). */
+ * token handed out (and the drafts). A drafting step runs on the ranks from the verify forward to
+ * the next drafts, and its outcome comes back at the end (one round trip on a GPU). */
 static int dec_next(Decoder *d) {
     Engine *e = d->e;
+    int out[2 * SPEC_MAX + 2];
     if (d->next < d->n_tok) return d->left--, d->tok[d->next++];
     if (!d->n_tok) {   /* just prefilled: the prompt's last logits give the first token */
         d->gen0 = d->pos;
@@ -1534,23 +1586,36 @@ static int dec_next(Decoder *d) {
             int T = d->pos - d->mtp_from, *t = xmalloc((size_t)T * sizeof(int));
             memcpy(t, d->ids + d->mtp_from + 1, (size_t)(T - 1) * sizeof(int));
             t[T - 1] = d->tok[0];
-            dec_draft(d, t, T, d->mtp_from);
+            int k = dec_draft(d, t, T, d->mtp_from, T - 1);
             free(t);
+            engine_outcome(e, 0, k, out);
+            dec_take_drafts(d, out, k);
         }
+    } else if (!d->k) {   /* plain decoding */
+        engine_forward(e, &d->tok[d->n_tok - 1], 1, d->pos, d->dump, 0);
+        engine_sample_rows(e, 1, d->temp, d->topp, d->seed, (uint64_t)d->pos + 1, d->tok);
+        if (d->dump) dec_keep_rows(d, &d->rows, &d->rows_cap, d->pos, 1, d->e->c.vocab);
+        d->base = d->pos++;
+        d->n_tok = 1;
     } else {
-        int feed[SPEC_MAX + 1], K = d->n_draft, n = 0;
+        int feed[SPEC_MAX + 1], K = d->n_draft, T = K + 1;
         feed[0] = d->tok[d->n_tok - 1];
         memcpy(feed + 1, d->draft, (size_t)K * sizeof(int));
-        engine_forward(e, feed, K + 1, d->pos, K || d->dump, K > 0);
-        engine_sample_rows(e, K + 1, d->temp, d->topp, d->seed, (uint64_t)d->pos + 1, d->tok);
-        while (n < K && d->draft[n] == d->tok[n]) n++;
+        engine_forward(e, feed, T, d->pos, 1, K > 0);
+        int n = engine_accept(e, feed, T, d->temp, d->topp, d->seed, (uint64_t)d->pos + 1);
+        if (n < 0 && (d->dump || d->dump_mtp)) engine_outcome(e, T, 0, out), n = out[0];   /* the dumps keep n + 1 rows */
         if (d->dump) dec_keep_rows(d, &d->rows, &d->rows_cap, d->pos, n + 1, d->e->c.vocab);
-        if (n < K) engine_rewind(e, n);
-        if (K) d->steps++, d->fed += K, d->accepted += n, d->hist[n]++;
         d->base = d->pos;
-        d->pos += n + 1;
+        d->pos += (n < 0 ? K : n) + 1;   /* at most */
+        d->n_tok = (n < 0 ? K : n) + 1;
+        int k = dec_draft(d, NULL, n < 0 ? T : n + 1, d->base, n);
+        engine_outcome(e, T, k, out);
+        n = out[0];
+        memcpy(d->tok, out + 1, (size_t)(n + 1) * sizeof(int));
+        if (K) d->steps++, d->fed += K, d->accepted += n, d->hist[n]++;
+        d->pos = d->base + n + 1;
         d->n_tok = n + 1;
-        if (d->k) dec_draft(d, d->tok, n + 1, d->base);
+        dec_take_drafts(d, out + T + 1, k);
     }
     d->next = 0;
     return dec_next(d);

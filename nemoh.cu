@@ -154,12 +154,18 @@ enum { DECODE_T = 9 };
  * read from device memory (tokens, position, the MTP pass's x row), so one graph serves every step. */
 enum { GRAPHS = 2 * (DECODE_T + 1) * 2 * 2 };
 
-/* A decoded forward's inputs go to the device in one copy, [position, x row, tokens], from a ring of
- * pinned entries, so that no forward waits for the one before it: a step's forwards (verify, MTP pass,
- * draft passes) are queued together. An entry is reused once its copy is done (an event each; a step
- * syncs more often than the ring wraps, so that wait is rare). A prompt's chunk longer than an entry
- * waits for the stream, then goes from host_io's start. */
-enum { IO_RING = SPEC_MAX + 1, IO_ENTRY = 2 + DECODE_T };
+/* A forward's inputs on the device: [position, x row, drafting row, tokens] (pos). The host sends them
+ * in one copy, from a ring of pinned entries, so that no forward waits for the one before it; an entry
+ * is reused once its copy is done (an event each; a step syncs more often than the ring wraps, so that
+ * wait is rare). A prompt's chunk longer than an entry waits for the stream, then goes from host_io's
+ * start. Within a drafting step the device makes them itself (accept_kernel, draft_kernel): the
+ * verify forward, its acceptance, the MTP pass and the draft passes are queued together, and the
+ * step's outcome comes back in one copy at its end. */
+enum { IO_RING = SPEC_MAX + 1, IO_ENTRY = 3 + DECODE_T };
+
+/* A drafting step's outcome on the device (step): the accepted count n, the model's tokens t_0..t_K,
+ * the drafts; then accept_kernel's count of finished blocks. */
+enum { STEP_T = 1, STEP_D = SPEC_MAX + 2, STEP_DONE = 2 * SPEC_MAX + 2, STEP_INTS = 2 * SPEC_MAX + 3 };
 
 typedef struct {
     cudaStream_t stream;        /* everything of this rank runs in order on it */
@@ -198,14 +204,14 @@ typedef struct {
     float *host_logits;         /* [logit_rows, vocab] pinned copy for --dump-logits */
     float *probs;               /* [sample_rows, vocab] sampling scratch */
     int sample_rows;            /* most logits rows one sample call draws from: min(logit_rows, spec + 1) */
-    int *pos;                   /* [2 + t_max] position of the step's first token; the MTP pass's first x row
-                                   (r->row); then the step's token ids, tok */
-    int *tok;                   /* pos + 2 */
+    int *pos;                   /* [3 + t_max] position of the forward's first token; the MTP pass's first x row
+                                   (r->row); its drafting row (whose logits make the draft, and whose
+                                   position the next pass follows); then the forward's token ids, tok */
+    int *tok;                   /* pos + 3 */
     int *sampled;               /* [sample_rows] the sampled tokens */
-    int *drafts;                /* [max(spec, 1)] the drafts made this step (gpu_draft) */
-    int drafted;                /* ... the last one's index: a pass fed no tokens reads it */
+    int *step;                  /* [STEP_INTS] the drafting step's outcome (gpu_accept, gpu_draft) */
     int *host_io;               /* [io_ring] pinned staging: a prompt chunk's inputs in, sampled tokens and
-                                   drafts out; then IO_RING entries of IO_ENTRY, a decoded forward's inputs */
+                                   a step's outcome out; then IO_RING entries of IO_ENTRY, a decoded forward's inputs */
     int io_ring, ring;          /* where the entries start; the next entry */
     cudaEvent_t io_done[IO_RING];  /* each entry's copy done */
     int *moe_idx;               /* [t_max, top_k] chosen experts of each token, best first */
@@ -2842,6 +2848,29 @@ __global__ void __launch_bounds__(MG_BN) moe_gemm_f32_kernel(const __grid_consta
  * the whole vocabulary on each of its 40 passes. */
 enum { SAMPLE_CAND = 40960 };
 
+/* The first maximum of l[0..V) (max: its value), over a block of 1024 threads; -1 where a logit is NaN
+ * or infinite. */
+__device__ int block_argmax(const float *l, int V, float *max) {
+    __shared__ float sv[1024];
+    __shared__ int si[1024];
+    int tid = threadIdx.x, bi = V, bad = 0;
+    float best = -INFINITY;
+    for (int i = tid; i < V; i += 1024) {
+        bad |= !isfinite(l[i]);
+        if (l[i] > best) { best = l[i]; bi = i; }
+    }
+    sv[tid] = best; si[tid] = bi;
+    if (__syncthreads_or(bad)) return -1;
+    for (int o = 512; o; o >>= 1) {
+        if (tid < o && (sv[tid + o] > sv[tid] || (sv[tid + o] == sv[tid] && si[tid + o] < si[tid]))) {
+            sv[tid] = sv[tid + o]; si[tid] = si[tid + o];
+        }
+        __syncthreads();
+    }
+    *max = sv[0];
+    return si[0];
+}
+
 /* The same rule as sample_logits() in nemoh.c: argmax at temp 0 (first on ties); else probabilities
  * p_i ~ exp((l_i - max) / temp), the top-p threshold by bisection, and a draw in index order with
  * coin(seed, step). Block j of 1024 threads draws from row j: out[j] from l[j], with scratch p[j] and
@@ -2861,29 +2890,13 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
     p += (size_t)blockIdx.x * V;
     step += blockIdx.x;
     extern __shared__ float cand[];   /* [SAMPLE_CAND] */
-    __shared__ float sv[1024];
-    __shared__ int si[1024];
     __shared__ double sd[32];
     __shared__ int sn[33];
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     int span = (V + 31) / 32, w0 = min(V, warp * span), w1 = min(V, w0 + span);   /* this warp's range */
-    float best = -INFINITY;
-    int bi = V, bad = 0;
-    for (int i = tid; i < V; i += 1024) {
-        bad |= !isfinite(l[i]);
-        if (l[i] > best) { best = l[i]; bi = i; }
-    }
-    sv[tid] = best; si[tid] = bi;
-    if (__syncthreads_or(bad)) { if (tid == 0) *out = -1; return; }   /* a NaN or Inf logit: -1, the host stops */
-    for (int o = 512; o; o >>= 1) {
-        if (tid < o && (sv[tid + o] > sv[tid] || (sv[tid + o] == sv[tid] && si[tid + o] < si[tid]))) {
-            sv[tid] = sv[tid + o]; si[tid] = si[tid + o];
-        }
-        __syncthreads();
-    }
-    int arg = si[0];
-    float mx = sv[0];
-    if (temp <= 0) { if (tid == 0) *out = arg; return; }
+    float mx;
+    int arg = block_argmax(l, V, &mx);
+    if (arg < 0 || temp <= 0) { if (tid == 0) *out = arg; return; }   /* -1: a NaN or Inf logit, the host stops */
     double tot = 0;
     for (int i = tid; i < V; i += 1024) tot += p[i] = expf((l[i] - mx) / temp);
     double total = block_sum(tot);   /* its barriers also make p visible to the whole block */
@@ -2951,6 +2964,44 @@ __global__ void __launch_bounds__(1024) sample_kernel(int *out, const float *l, 
         }
         if (lane == 0 && pick >= 0) *out = pick;
     }
+}
+
+/* A drafting step's acceptance, on the device, once sample_kernel has put the model's tokens t_0..t_{T-1}
+ * in step[STEP_T..]: n := how many of the fed tokens tok[1..T) equal t_0, t_1, ... in a row, and the
+ * recurrent state := kept slot n (words of it; the grid shares the copy). The last block to finish
+ * (when every block has read tok) writes step[0] = n and the next MTP pass's inputs in io: tokens
+ * t_0..t_{T-1} at the verify forward's position, x rows from 0, drafting row n. */
+__global__ void accept_kernel(int *step, int *io, int T, unsigned *state, const unsigned *kept, size_t words) {
+    pdl_wait();
+    const int *tok = io + 3;
+    int n = 0;
+    while (n < T - 1 && tok[n + 1] == step[STEP_T + n]) n++;
+    if (n < T - 1)
+        for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x)
+            state[i] = kept[n * words + i];
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd((unsigned *)&step[STEP_DONE], 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    for (int i = threadIdx.x; i < T; i += blockDim.x) io[3 + i] = step[STEP_T + i];
+    if (threadIdx.x == 0) step[0] = n, io[1] = 0, io[2] = n, step[STEP_DONE] = 0;
+}
+
+/* A draft (greedy: the first maximum of the drafting row's logits, the last pass's row at where it made
+ * every row's; -1 where the row is not finite), and the inputs of the pass after it in io: the drafting
+ * row's position + 1, x row that row, the draft as token:
+ *   d = argmax l[all ? at : 0];  pos += at + 1;  row = at;  at = 0;  tok[0] = d */
+__global__ void __launch_bounds__(1024) draft_kernel(int *draft, const float *l, int V, int *io, int all) {
+    pdl_wait();
+    float mx;
+    int at = io[2], d = block_argmax(l + (size_t)(all ? at : 0) * V, V, &mx);
+    if (threadIdx.x) return;
+    *draft = d;
+    io[0] += at + 1, io[1] = at, io[2] = 0, io[3] = d;
 }
 
 /* ------------------------------------------------------------------------------------------------
@@ -3102,7 +3153,7 @@ static cudaGraphExec_t *graph_at(Rank *r, int T) {
 }
 
 /* The forward's inputs onto the device (a graph reads them there) and the host's bookkeeping of it. No
- * tokens (T = 1): the last draft, copied on the device. */
+ * tokens: the device has the inputs (accept_kernel or draft_kernel wrote them). */
 static void step_start(Rank *r, const int *tok, int T, int pos) {
     GpuRank *g = gpu_rank(r);
     CUDA_CHECK(cudaSetDevice(r->gpu));
@@ -3110,21 +3161,23 @@ static void step_start(Rank *r, const int *tok, int T, int pos) {
         fprintf(stderr, "nemoh: keep: %d tokens, states kept for %d\n", T, r->spec > 0 ? r->spec + 1 : 0);
         exit(1);
     }
-    int *io = g->host_io + g->io_ring + IO_ENTRY * g->ring, n = tok ? T : 0;
-    cudaEvent_t done = g->io_done[g->ring];
-    g->ring = (g->ring + 1) % IO_RING;
-    if (T > DECODE_T) {   /* a prompt's chunk: host_io's start, once the copy that last read it is done */
-        CUDA_CHECK(cudaStreamSynchronize(g->stream));
-        io = g->host_io;
-    } else {
-        CUDA_CHECK(cudaEventSynchronize(done));
+    if (tok) {
+        int *io = g->host_io + g->io_ring + IO_ENTRY * g->ring;
+        cudaEvent_t done = g->io_done[g->ring];
+        g->ring = (g->ring + 1) % IO_RING;
+        if (T > DECODE_T) {   /* a prompt's chunk: host_io's start, once the copy that last read it is done */
+            CUDA_CHECK(cudaStreamSynchronize(g->stream));
+            io = g->host_io;
+        } else {
+            CUDA_CHECK(cudaEventSynchronize(done));
+        }
+        io[0] = pos;
+        io[1] = r->pass == PASS_MTP ? r->row : 0;
+        io[2] = T - 1;
+        memcpy(io + 3, tok, (size_t)T * sizeof(int));
+        CUDA_CHECK(cudaMemcpyAsync(g->pos, io, (3 + T) * sizeof(int), cudaMemcpyHostToDevice, g->stream));
+        CUDA_CHECK(cudaEventRecord(done, g->stream));
     }
-    io[0] = pos;
-    io[1] = r->pass == PASS_MTP ? r->row : 0;
-    if (tok) memcpy(io + 2, tok, (size_t)T * sizeof(int));
-    else CUDA_CHECK(cudaMemcpyAsync(g->tok, g->drafts + g->drafted, sizeof(int), cudaMemcpyDeviceToDevice, g->stream));
-    CUDA_CHECK(cudaMemcpyAsync(g->pos, io, (2 + n) * sizeof(int), cudaMemcpyHostToDevice, g->stream));
-    CUDA_CHECK(cudaEventRecord(done, g->stream));
     g->pend_slot = 0;
     g->dec_now = dec_limit(r);
     if (r->pass == PASS_MAIN) {   /* a main forward moves the states on: what was kept before is stale */
@@ -3228,11 +3281,11 @@ static float *pend_out(Rank *r) {
 /* residual[t] = eh_proj([enorm(embed[tok[t]]) ; hnorm(x[row + t])]): x as the last forward's final
  * norm left it, read before anything of this step writes it (stream order). */
 static void gpu_mtp_in(Rank *r, const int *tok, int T, int row) {
-    (void)tok;  /* already on the device (gpu_begin) */
     GpuRank *g = gpu_rank(r);
     const Config *c = r->c;
     int H = c->hidden;
-    if (row < 0 || row + T > r->t_max) { fprintf(stderr, "nemoh: mtp_in: rows %d..%d of %d\n", row, row + T - 1, r->t_max); exit(1); }
+    /* the tokens are on the device (step_start); fed none, so is the row (at most spec: accept_kernel, draft_kernel) */
+    if (tok && (row < 0 || row + T > r->t_max)) { fprintf(stderr, "nemoh: mtp_in: rows %d..%d of %d\n", row, row + T - 1, r->t_max); exit(1); }
     LAUNCH(dim3(T, 2), NORM_THREADS, 0, g->stream, mtp_in_kernel, g->eh, (const GMat)g->embed, (const int *)g->tok, (const float *)g->x,
            (const int *)g->pos + 1, (const float *)g->enorm, (const float *)g->hnorm, H, c->eps);
     matmul(g, g->res, H, g->eh, 2 * H, T, &g->eh_proj, EPI_NONE, first_product(g, c, c->n_layers), NULL);
@@ -3514,22 +3567,39 @@ static void gpu_sample(Rank *r, int n, float temp, float topp, uint64_t seed, ui
     memcpy(out, g->host_io, n * sizeof(int));
 }
 
-/* Draft j: the argmax of the last logits row, on the device (what the next pass fed no tokens reads). */
-static void gpu_draft(Rank *r, int j) {
+/* The verify step after a forward fed T tokens (be->accept), on the device: the model's tokens (one
+ * block a row), then accept_kernel. n stays there: the MTP pass and drafts that follow read it. */
+static int gpu_accept(Rank *r, const int *tok, int T, float temp, float topp, uint64_t seed, uint64_t step) {
+    (void)tok;   /* the device has them: the verify forward's */
     GpuRank *g = gpu_rank(r);
     int V = r->c->vocab;
-    if (j < 0 || j >= std::max(r->spec, 1)) { fprintf(stderr, "nemoh: draft %d, room for %d\n", j, r->spec); exit(1); }
-    LAUNCH(1, 1024, SAMPLE_CAND * sizeof(float), g->stream, sample_kernel, g->drafts + j, (const float *)g->logits + (size_t)(g->rows - 1) * V,
-           g->probs, V, 0.0f, 1.0f, (uint64_t)0, (uint64_t)0);
-    g->drafted = j;
+    if (T < 1 || T > g->rows || T > g->sample_rows || T > r->spec + 1) {
+        fprintf(stderr, "nemoh: accept: %d rows, %d written, room for %d\n", T, g->rows, std::min(g->sample_rows, r->spec + 1));
+        exit(1);
+    }
+    LAUNCH(T, 1024, SAMPLE_CAND * sizeof(float), g->stream, sample_kernel, g->step + STEP_T, (const float *)g->logits + (size_t)(g->rows - T) * V,
+           g->probs, V, temp, topp, seed, step);
+    size_t words = g->snap_bytes / sizeof(unsigned);
+    LAUNCH(std::max(1, std::min(cdiv((long)words, 256), 256)), 256, 0, g->stream, accept_kernel, g->step, g->pos, T,
+           (unsigned *)g->state, (const unsigned *)g->kept, words);
+    g->kept_live = -1;   /* the state is slot n's, which only the device knows */
+    return -1;
 }
 
-/* The step's drafts to the host: one copy back, one sync. */
-static void gpu_drafts(Rank *r, int k, int *out) {
+/* Draft j, on the device, with the inputs of the pass after it (draft_kernel). */
+static void gpu_draft(Rank *r, int j) {
     GpuRank *g = gpu_rank(r);
-    CUDA_CHECK(cudaMemcpyAsync(g->host_io, g->drafts, k * sizeof(int), cudaMemcpyDeviceToHost, g->stream));
+    if (j < 0 || j >= std::max(r->spec, 1)) { fprintf(stderr, "nemoh: draft %d, room for %d\n", j, r->spec); exit(1); }
+    LAUNCH(1, 1024, 0, g->stream, draft_kernel, g->step + STEP_D + j, (const float *)g->logits, r->c->vocab, g->pos, (int)(g->rows > 1));
+}
+
+/* The step's outcome to the host (be->outcome): one copy back, one sync. */
+static void gpu_outcome(Rank *r, int T, int k, int *out) {
+    GpuRank *g = gpu_rank(r);
+    CUDA_CHECK(cudaMemcpyAsync(g->host_io, g->step, STEP_INTS * sizeof(int), cudaMemcpyDeviceToHost, g->stream));
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
-    memcpy(out, g->host_io, k * sizeof(int));
+    if (T) memcpy(out, g->host_io, (size_t)(T + 1) * sizeof(int));
+    memcpy(out + (T ? T + 1 : 0), g->host_io + STEP_D, (size_t)k * sizeof(int));
 }
 
 static const float *gpu_host_logits(Rank *r, int rows) {
@@ -3811,6 +3881,22 @@ static void moe_free(GpuRank *g) {
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
 }
 
+/* A forward's inputs (pos, tok; host_io's ring and its events) for forwards of up to T tokens, and
+ * host_io's start for copies back of up to `back` ints. */
+static void build_io(GpuRank *g, size_t T, int back) {
+    CUDA_CHECK(cudaMalloc(&g->pos, (3 + T) * sizeof(int)));
+    g->tok = g->pos + 3;
+    g->io_ring = (int)std::max(3 + T, (size_t)back);
+    CUDA_CHECK(cudaMallocHost(&g->host_io, (g->io_ring + IO_ENTRY * IO_RING) * sizeof(int)));
+    for (cudaEvent_t &e : g->io_done) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+}
+
+static void free_io(GpuRank *g) {
+    CUDA_CHECK(cudaFree(g->pos));
+    CUDA_CHECK(cudaFreeHost(g->host_io));
+    for (cudaEvent_t e : g->io_done) CUDA_CHECK(cudaEventDestroy(e));
+}
+
 static void gpu_init(Rank *r) {
     const Config *c = r->c;
     const Shard *s = &r->s;
@@ -3933,13 +4019,10 @@ static void gpu_init(Rank *r) {
     g->logits = s->n > 1 ? zeros((size_t)sh->logit_rows * c->vocab) : g->logits_local;
     CUDA_CHECK(cudaMallocHost(&g->host_logits, (size_t)sh->logit_rows * c->vocab * sizeof(float)));
     g->probs = zeros((size_t)g->sample_rows * c->vocab);
-    CUDA_CHECK(cudaMalloc(&g->pos, (2 + T) * sizeof(int)));
-    g->tok = g->pos + 2;
+    build_io(g, T, std::max(g->sample_rows, (int)STEP_INTS));
     CUDA_CHECK(cudaMalloc(&g->sampled, g->sample_rows * sizeof(int)));
-    CUDA_CHECK(cudaMalloc(&g->drafts, std::max(r->spec, 1) * sizeof(int)));
-    g->io_ring = (int)std::max({2 + T, (size_t)g->sample_rows, (size_t)r->spec});
-    CUDA_CHECK(cudaMallocHost(&g->host_io, (g->io_ring + IO_ENTRY * IO_RING) * sizeof(int)));
-    for (cudaEvent_t &e : g->io_done) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    CUDA_CHECK(cudaMalloc(&g->step, STEP_INTS * sizeof(int)));
+    CUDA_CHECK(cudaMemset(g->step, 0, STEP_INTS * sizeof(int)));
     CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -3963,7 +4046,7 @@ static void gpu_free(Rank *r) {
     free_mat(&g->lm_head);
     free_mat(&g->eh_proj);
     void *ptrs[] = {g->deq, g->norm_f, g->enorm, g->hnorm, g->mtp_norm, g->eh, g->res, g->x, g->x16, g->pend_sum, g->proj, g->xbc, g->y, g->act16, g->part,
-                    g->gss, g->logits_local, g->probs, g->pos, g->sampled, g->drafts, g->blas_ws,
+                    g->gss, g->logits_local, g->probs, g->sampled, g->step, g->blas_ws,
                     r->s.n > 1 ? g->logits : NULL};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
     moe_free(g);
@@ -3971,8 +4054,7 @@ static void gpu_free(Rank *r) {
     CUDA_CHECK(cudaFree(g->snap));
     CUDA_CHECK(cudaFree(g->kept));
     CUDA_CHECK(cudaFreeHost(g->host_logits));
-    CUDA_CHECK(cudaFreeHost(g->host_io));
-    for (cudaEvent_t e : g->io_done) CUDA_CHECK(cudaEventDestroy(e));
+    free_io(g);
     CUBLAS_CHECK(cublasDestroy(g->blas));
     CUDA_CHECK(cudaStreamDestroy(g->stream));
     free(g);
@@ -4024,9 +4106,10 @@ extern "C" const Backend cuda_backend = {
     .moe = gpu_moe,
     .snapshot = gpu_snapshot,
     .mtp_in = gpu_mtp_in,
+    .accept = gpu_accept,
     .rewind = gpu_rewind,
     .draft = gpu_draft,
-    .drafts = gpu_drafts,
+    .outcome = gpu_outcome,
 };
 
 /* ------------------------------------------------------------------------------------------------

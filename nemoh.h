@@ -194,15 +194,22 @@ typedef struct {
     void (*snapshot)(Rank *r, int slot, int save);      /* recurrent state to snapshot slot, or back */
     /* Multi-token prediction. mtp_in: residual[t] = eh_proj([enorm(embed[tok[t]]) ; hnorm(x[row + t])])
      * for t < T, x as the last forward's final norm left it (the model's h, or the block's own output).
-     * rewind: every Mamba layer's conv window and SSM state := the one after token t of the last
-     * forward run with r->keep set (t below that forward's last token, t < r->spec). tok NULL (T = 1):
-     * the last draft made (after a non-finite row's, zeros in both halves: that pass's draft is unused). draft: draft j (< r->spec) := the argmax of the last logits row, kept where the
-     * logits are (a GPU's drafts feed the next pass with no round trip to the host); drafts: out[j] :=
-     * draft j for j < k, -1 where its row was not finite. */
+     * tok NULL: after an accept, its t_0..t_{T-1}; else the last draft made (after a non-finite row's,
+     * zeros in both halves: that pass's draft is unused).
+     * accept, after a verify forward fed tok[0..T) with r->keep: t_i := a draw from its logits row i
+     * with coin(seed, step + i); n := how many of tok[1..T) equal t_0, t_1, ... in a row; every Mamba
+     * layer's state := the one after token n. Returns n, or -1 where n stays on the device (a GPU: the
+     * MTP pass and drafts that follow read it there, so the step makes one round trip, at its end).
+     * rewind: state := the one after token t of that forward (t below its last token).
+     * draft: draft j (< r->spec) := the argmax of the logits row of the last pass's drafting token
+     * (its last, or after an accept token n), kept where the logits are.
+     * outcome: out = [n, t_0..t_{T-1}] of the last accept (none where T = 0), then drafts 0..k-1, -1
+     * where a row was not finite. */
     void (*mtp_in)(Rank *r, const int *tok, int T, int row);
+    int (*accept)(Rank *r, const int *tok, int T, float temp, float topp, uint64_t seed, uint64_t step);
     void (*rewind)(Rank *r, int t);
     void (*draft)(Rank *r, int j);
-    void (*drafts)(Rank *r, int k, int *out);
+    void (*outcome)(Rank *r, int T, int k, int *out);
 } Backend;
 
 struct Rank {

@@ -520,9 +520,7 @@ static void test_keep(int heads, int hdim, int groups, int N, int T) {
     std::vector<float> st0 = rand_vec(g.snap_bytes / sizeof(float));
     g.state = (char *)dev_copy(st0);
     g.kept = (char *)dev_copy(std::vector<float>((r.spec + 1) * g.snap_bytes / sizeof(float), NAN));
-    CUDA_CHECK(cudaMalloc(&g.tok, T * sizeof(int)));
-    CUDA_CHECK(cudaMalloc(&g.pos, sizeof(int)));
-    CUDA_CHECK(cudaMallocHost(&g.host_io, (T + 2) * sizeof(int)));
+    build_io(&g, T, 0);
     float *conv_st = (float *)g.state, *ssm = (float *)(g.state + conv_state_bytes(&r));
     int fold = gnorm_folds(1, heads, hdim, N, gs, fmt_per(DT_BF16)), nss = heads * scan_blocks(hdim, N);
     float *d_cw = dev_copy(cw), *d_cb = dev_copy(cb), *d_A = dev_copy(A), *d_D = dev_copy(D), *d_dtb = dev_copy(dtb), *d_gw = dev_copy(gw);
@@ -575,9 +573,9 @@ static void test_keep(int heads, int hdim, int groups, int N, int T) {
     snprintf(what, sizeof what, "... rewind(t), t in a shuffled order: states unlike token t's (of %d)", T);
     expect_int(what, bad, 0);
     for (void *p : {(void *)d_cw, (void *)d_cb, (void *)d_A, (void *)d_D, (void *)d_dtb, (void *)d_gw, (void *)d_proj, (void *)d_xbc,
-                    (void *)d_y, (void *)d_gss, (void *)g.state, (void *)g.kept, (void *)g.tok, (void *)g.pos})
+                    (void *)d_y, (void *)d_gss, (void *)g.state, (void *)g.kept})
         CUDA_CHECK(cudaFree(p));
-    CUDA_CHECK(cudaFreeHost(g.host_io));
+    free_io(&g);
     free_rank(&g);
 }
 
@@ -1205,8 +1203,9 @@ static void test_sample_rows(int V, int rows, int n, float temp, float topp) {
  * the embedding and lm_head bf16, driven as nemoh.c's layer loop drives a backend (tiny_forward,
  * tiny_mtp). A speculative step of T tokens (r->keep) against T one-token steps: every logits row, x
  * row and the Mamba state bit for bit; greedy be->sample of the T rows = each row's argmax;
- * rewind(t) = the state after token t; the MTP pass over T tokens = T one-token MTP passes reading x
- * rows 0 .. T - 1; and the captured graphs (r->graph): a replay = the eager step, a graph for each
+ * rewind(t) = the state after token t; accept (its tokens 1..acc the greedy choices): [acc, argmaxes]
+ * and token acc's state, the MTP pass and the draft pass after it fed no tokens = fed from the host;
+ * the MTP pass over T tokens = T one-token MTP passes reading x rows 0 .. T - 1; and the captured graphs (r->graph): a replay = the eager step, a graph for each
  * pass, an MTP step from row 2 runs eagerly and captures nothing. ---- */
 typedef struct {
     Config c;
@@ -1409,12 +1408,19 @@ static void test_engine(int fmt, int spec, int T) {
     tiny_mtp(&r, pm.data(), P, 0, 0, 0);
     fin(logits(1));
     be->snapshot(&r, 0, 1);
+    /* the step's tokens 1..acc are the model's greedy choices and token acc + 1 is not: acc drafts accepted */
+    int acc = (int)(rng() % T);
+    auto argmax = [](const std::vector<float> &v, size_t at, size_t n) {
+        return (int)(std::max_element(v.begin() + at, v.begin() + at + n) - v.begin() - at);
+    };
     std::vector<std::vector<float>> l1(T), x1(T), s1(T);
     for (int t = 0; t < T; t++) {
         tiny_forward(&r, &step[t], 1, P + t, 1);
         l1[t] = fin(logits(1));
         x1[t] = xrows(1);
         s1[t] = state();
+        int best = argmax(l1[t], 0, V);
+        if (t + 1 < T) step[t + 1] = t < acc ? best : step[t + 1] == best ? (best + 1) % V : step[t + 1];
     }
     be->snapshot(&r, 0, 0);
     r.keep = 1;
@@ -1442,6 +1448,32 @@ static void test_engine(int fmt, int spec, int T) {
     }
     snprintf(what, sizeof what, "... rewind(t), t shuffled, then %d: states unlike token t's", T - 1);
     expect_int(what, bad, 0);
+    /* the step on the device: accept, the MTP pass fed no tokens over its T rows, draft 0 from row acc,
+       the pass after it; against the same passes fed from the host */
+    std::vector<int> out(T + 1), want(T + 1);
+    expect_int("... accept leaves n on the device", be->accept(&r, step.data(), T, 0.0f, 1.0f, 7, 0), -1);
+    be->outcome(&r, T, 0, out.data());
+    want[0] = acc;
+    for (int t = 0; t < T; t++) want[1 + t] = argmax(l1[t], 0, V);
+    bad = 0;
+    for (int t = 0; t <= T; t++) bad += out[t] != want[t];
+    snprintf(what, sizeof what, "... accept: [n, t_0..t_%d] unlike [%d, the rows' argmax]", T - 1, acc);
+    expect_int(what, bad, 0);
+    expect_same("... accept: the state after token n", state(), s1[acc]);
+    tiny_mtp(&r, NULL, T, -1, -1, 1);
+    std::vector<float> la = fin(logits(T));
+    int d0 = -2;
+    be->draft(&r, 0);
+    be->outcome(&r, 0, 1, &d0);
+    expect_int("... draft 0 = the argmax of the pass's row n", d0, argmax(la, (size_t)acc * V, V));
+    tiny_mtp(&r, NULL, 1, -1, -1, 1);
+    std::vector<float> la1 = fin(logits(1));
+    CUDA_CHECK(cudaMemcpy(g->x, x_step.data(), x_step.size() * sizeof(float), cudaMemcpyHostToDevice));
+    tiny_mtp(&r, &want[1], T, 0, P, 1);
+    expect_same("... the MTP pass fed no tokens after accept = fed t_0.. from the host", la, logits(T));
+    tiny_mtp(&r, &d0, 1, acc, P + acc + 1, 1);
+    expect_same("... the pass after draft 0, fed no tokens = fed it at position P + n + 1, row n", la1, logits(1));
+    CUDA_CHECK(cudaMemcpy(g->x, x_step.data(), x_step.size() * sizeof(float), cudaMemcpyHostToDevice));
     /* the MTP block over the step's T positions from x rows 0.., and one position at a time from row t */
     tiny_mtp(&r, drafts.data(), T, 0, P, 1);
     std::vector<float> lm = fin(logits(T));
@@ -1480,13 +1512,16 @@ static void test_engine(int fmt, int spec, int T) {
     expect_same("... its replay from row 0 = the eager one from row 0", mtp_step(1, 0, &nd), m0);
     expect_same("... and from row R again = the eager one", mtp_step(1, R, &nd), mr);
     expect_same("... the main step's replay after it = the eager one", main_step(1), e0);
-    /* a draft made on the device, then a pass fed it with no tokens from the host */
+    /* a draft made on the device, then the pass after it fed no tokens from the host (a graph as well) */
+    mtp_step(1, R, &nd);
     be->draft(&r, 0);
-    int d0 = -2;
-    be->drafts(&r, 1, &d0);
-    expect_int("... draft 0 = the argmax of the MTP step's logits", d0, (int)(std::max_element(mr.begin(), mr.end()) - mr.begin()));
-    std::vector<float> fed = mtp_step(1, R, NULL);
-    expect_same("... the MTP step fed draft 0 on the device = fed it from the host", fed, mtp_step(0, R, &d0));
+    be->outcome(&r, 0, 1, &d0);
+    expect_int("... draft 0 = the argmax of the MTP step's logits", d0, argmax(mr, 0, V));
+    tiny_mtp(&r, NULL, 1, -1, -1, 1);
+    std::vector<float> fed = fin(logits(1));
+    mtp_step(0, R, &nd);
+    tiny_mtp(&r, &d0, 1, 0, P + T + 1, 1);
+    expect_same("... the MTP step fed draft 0 on the device = fed it from the host", fed, logits(1));
     /* the step of T tokens with keep, captured, then replayed: logits and states as the one-token steps' */
     auto keep_step = [&]() {
         r.graph = 1;
