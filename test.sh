@@ -575,7 +575,7 @@ else
     echo "# GPU tests from ${SECONDS} s"
     if ! wait "$KBUILD"; then fail "GPU kernels: build tests/test_kernels" "$(tail -20 "$T/test_kernels.build")"
     elif out=$(tests/test_kernels 2>&1); then pass "GPU kernels against float64 host references ($(tail -1 <<< "$out"))"
-    else fail "GPU kernels against float64 host references" "$(grep -v '^ok' <<< "$out" | tail -20)"; fi
+    else fail "GPU kernels against float64 host references" "$(grep '^# seed\|^FAILED' <<< "$out" | head -15; tail -3 <<< "$out")"; fi
     for d in tests/fixtures/tiny-*; do
         f=$(basename "$d")
         # fp32 weights (f32, f16 fixtures) stay fp32 on the GPU; bf16 ones meet bf16 prompt activations:

@@ -51,8 +51,8 @@ template <typename KT> static std::vector<float> host_copy_as(const KT *d, size_
 }
 
 /* max |got - ref| / max |ref|, NaN counting as a failure */
-static void expect(const char *what, const std::vector<float> &got, const std::vector<double> &ref, double tol) {
-    double worst = 0, scale = 1e-30;
+static void expect(const char *what, const std::vector<float> &got, const std::vector<double> &ref, double tol, double floor = 0) {
+    double worst = 0, scale = fmax(floor, 1e-30);
     for (double r : ref) scale = fmax(scale, fabs(r));
     for (size_t i = 0; i < ref.size() && i < got.size(); i++) {
         double d = fabs(got[i] - ref[i]) / scale;
@@ -164,21 +164,28 @@ static void test_matmul(int fmt, int rows, int cols, int T, int epi) {
     CUDA_CHECK(cudaMalloc(&dout, (size_t)T * rows * sizeof(float)));
     matmul(&g, dout, rows, dx, cols, T, &W, epi, &W, nullptr);   /* warms its own rows again: harmless, and run */
     std::vector<double> ref((size_t)T * rows);
+    double mag = 0;   /* the largest sum of |w x| over a row */
     for (int t = 0; t < T; t++)
         for (int i = 0; i < rows; i++) {
-            double s = 0;
+            double s = 0, a = 0;
             for (int k = 0; k < cols; k++) {
                 float xv = x[(size_t)t * cols + k], wv = mat_at(&parts[i >= r1], (size_t)(i - (i >= r1) * r1), (size_t)k);
                 if (fmt != DT_F32 && T > 1) { xv = bf16_round(xv); wv = bf16_round(wv); }  /* cuBLAS path: bf16 operands */
                 s += (double)wv * xv;
+                a += fabs((double)wv * xv);
             }
             if (epi) s = s > 0 ? s * s : 0;
             ref[(size_t)t * rows + i] = s;
+            mag = fmax(mag, a);
         }
     char what[128];
     snprintf(what, sizeof what, "%s %s %dx%d, %d token%s%s", T == 1 ? "gemv" : "cuBLAS", fmt_name(fmt), rows, cols, T,
              T > 1 ? "s" : "", epi ? ", relu^2" : "");
-    expect(what, host_copy(dout, ref.size()), ref, 2e-5);
+    /* relative to the largest output, and at least to the size a sum of cols terms of random sign has,
+       sum |w x| / sqrt(cols): a single row may nearly cancel (one row of 16 NVFP4 values: 6.05e-5 of its
+       output, seed 1480456781 on an H200) */
+    double typical = mag / sqrt((double)cols);
+    expect(what, host_copy(dout, ref.size()), ref, 2e-5, epi ? typical * typical : typical);
     free_mat(&W);
     CUDA_CHECK(cudaFree(dx));
     CUDA_CHECK(cudaFree(dout));
@@ -968,9 +975,10 @@ static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hi
              skew ? ", skewed" : "");
     /* bf16 prompt: the reference rounds where the GPU does, but a value that fp32 and float64 sums put on
        either side of a bf16 rounding boundary moves by an ulp (2^-8): with a latent sum rounded before
-       fc2 that reached 1.2e-3 of the largest output on one seed; without, 1.02e-3 on a skewed NVFP4
-       prompt of 300 tokens (seed 2475793712), where most of the 250k rounded h values meet one expert */
-    expect(what, host_copy(out, ref.size()), ref, rb ? (lat ? 3e-3 : 2e-3) : 2e-5);
+       fc2 that reached 1.2e-3 of the largest output on one seed; without, on a skewed NVFP4 prompt of
+       300 tokens, where most of the 250k rounded h values meet one expert, 1.02e-3 (seed 2475793712)
+       and 2.40e-3 (seed 1480456781) */
+    expect(what, host_copy(out, ref.size()), ref, rb ? 4e-3 : 2e-5);
     if (T > 1) {   /* the grouping: each expert's rows contiguous, in (token, slot) order within it; its row tiles */
         std::vector<int> off(E + 1), tile(E + 1), tok((size_t)T * K), row((size_t)T * K), cnt(E, 0), seen(E, -1);
         CUDA_CHECK(cudaMemcpy(off.data(), g.moe_off, off.size() * sizeof(int), cudaMemcpyDeviceToHost));
