@@ -624,8 +624,8 @@ else
     g0=$(./nemoh -m weights -n 64 -t 0 --mtp 0 "Once upon a time" 2>/dev/null)
     same "GPU default model: greedy with its trained drafts (--mtp 3) = without" "$(./nemoh -m weights -n 64 -t 0 --mtp 3 "Once upon a time" 2>/dev/null)" "$g0"
     ./nemoh -m weights -n 8 -t 0 "Once upon a time" 2>"$T/gpu-gd.err" >/dev/null
-    grep -q 'mtp:' "$T/gpu-gd.err" && fail "GPU default model, greedy: no drafting by default (slower there)" "$(cat "$T/gpu-gd.err")" \
-        || pass "GPU default model, greedy: no drafting by default (slower there)"
+    grep -q 'mtp: 2 drafts a step' "$T/gpu-gd.err" && pass "GPU default model, greedy: 2 drafts a step by default (fastest there)" \
+        || fail "GPU default model, greedy: 2 drafts a step by default (fastest there)" "$(cat "$T/gpu-gd.err")"
     chat_turns ./nemoh "$T/chat-mtp" "GPU chat --mtp 3" 2e-4 - --mtp 3
     refuse "GPU bad input: --mtp-vocab on the CUDA backend" "--mtp-vocab: the CUDA backend drafts among the whole vocabulary" \
         ./nemoh -m tests/fixtures/tiny-mtp-f32 --ids 1 --mtp 2 --mtp-vocab 8
