@@ -1328,17 +1328,21 @@ static void ranks_agree(const Engine *e, const int *out, int n, const char *what
             if (out[i * n + j] != out[j]) die("ranks disagree on %s %d (rank 0: %d, rank %d: %d)", what, j, out[j], i, out[i * n + j]);
 }
 
+/* n tokens the model sampled: one that is -1 (a row not finite) is an error. */
+static void model_tokens(const Engine *e, const int *tok, int n) {
+    for (int j = 0; j < n; j++)
+        if (tok[j] < 0 || tok[j] >= e->c.vocab) die("non-finite logits (run with --cpu to find the first layer that made them)");
+}
+
 /* Every rank samples the last n rows of the model's gathered logits (row j with coin step + j); they
- * must agree. A row that is not finite (-1) is an error. */
+ * must agree (model_tokens). */
 static void engine_sample_rows(Engine *e, int n, float temp, float topp, uint64_t seed, uint64_t step, int *tok) {
     int out[64 * (SPEC_MAX + 1)];
     SampleArgs a = {n, temp, topp, seed, step, out};
     run_ranks(e, job_sample, &a);
     ranks_agree(e, out, n, "sampled token");
-    for (int j = 0; j < n; j++) {
-        if (out[j] < 0 || out[j] >= e->c.vocab) die("non-finite logits (run with --cpu to find the first layer that made them)");
-        tok[j] = out[j];
-    }
+    model_tokens(e, out, n);
+    memcpy(tok, out, (size_t)n * sizeof(int));
 }
 
 /* Every rank accepts the drafts of the verify forward just run, fed tok[0..T) (be->accept): n, or -1
@@ -1360,8 +1364,7 @@ static void job_draft(Rank *r, void *arg) { r->be->draft(r, *(int *)arg); }
 static void engine_draft(Engine *e, int j) { run_ranks(e, job_draft, &j); }
 
 /* out = [n, t_0..t_{T-1}] of the last accept (none where T = 0), then k drafts (-1 where a row was not
- * finite): every rank's (be->outcome), which must agree. A token the model sampled that is -1 (a row
- * not finite) is an error. */
+ * finite): every rank's (be->outcome), which must agree; t_i as model_tokens checks them. */
 typedef struct { int T, k, *out; } OutcomeArgs;
 static void job_outcome(Rank *r, void *arg) {
     OutcomeArgs *a = arg;
@@ -1373,8 +1376,7 @@ static void engine_outcome(Engine *e, int T, int k, int *out) {
     run_ranks(e, job_outcome, &a);
     ranks_agree(e, all, w, "step outcome");
     if (T && (all[0] < 0 || all[0] >= T)) die("accepted %d drafts of %d", all[0], T - 1);
-    for (int j = 1; j <= T; j++)
-        if (all[j] < 0 || all[j] >= e->c.vocab) die("non-finite logits (run with --cpu to find the first layer that made them)");
+    model_tokens(e, all + 1, T);
     for (int j = w - k; j < w; j++)
         if (all[j] >= e->c.vocab) die("draft %d is token %d, past the vocabulary (%d)", j - (w - k), all[j], e->c.vocab);
     memcpy(out, all, (size_t)w * sizeof(int));

@@ -326,7 +326,7 @@ static void test_mtp_in(int fe, int fw, int H, int T, int row, int dec_t) {
     g.res = dev_copy(std::vector<float>((size_t)T * H, NAN));
     CUDA_CHECK(cudaMalloc(&g.tok, T * sizeof(int)));
     CUDA_CHECK(cudaMemcpy(g.tok, tok.data(), T * sizeof(int), cudaMemcpyHostToDevice));
-    int pos_row[2] = {0, row};   /* (position, x row) as gpu_begin puts them on the device */
+    int pos_row[2] = {0, row};   /* (position, x row) as step_start puts them on the device */
     CUDA_CHECK(cudaMalloc(&g.pos, sizeof pos_row));
     CUDA_CHECK(cudaMemcpy(g.pos, pos_row, sizeof pos_row, cudaMemcpyHostToDevice));
     Rank r;
@@ -1213,8 +1213,9 @@ static void test_sample_rows(int V, int rows, int n, float temp, float topp) {
  * row and the Mamba state bit for bit; greedy be->sample of the T rows = each row's argmax;
  * rewind(t) = the state after token t; accept (its tokens 1..acc the greedy choices): [acc, argmaxes]
  * and token acc's state, the MTP pass and the draft pass after it fed no tokens = fed from the host;
- * the MTP pass over T tokens = T one-token MTP passes reading x rows 0 .. T - 1; and the captured graphs (r->graph): a replay = the eager step, a graph for each
- * pass, an MTP step from row 2 runs eagerly and captures nothing. ---- */
+ * the MTP pass over T tokens = T one-token MTP passes reading x rows 0 .. T - 1; and the captured
+ * graphs (r->graph): a replay = the eager step, a graph for each kind of pass, the MTP step from row
+ * R in the same graph as from row 0. ---- */
 typedef struct {
     Config c;
     Shard s;
@@ -1317,7 +1318,8 @@ static void tiny_forward(Rank *r, const int *tok, int T, int pos, int all) {
     be->end(r, T);
 }
 
-/* The MTP block over T tokens at pos (tok NULL: the last draft), its hidden states x rows row .. row + T - 1. */
+/* The MTP block over T tokens at pos, its hidden states x rows row .. row + T - 1 (tok NULL: the device's
+ * tokens, position and row: accept's or the last draft's). */
 static void tiny_mtp(Rank *r, const int *tok, int T, int row, int pos, int all) {
     const Backend *be = &cuda_backend;
     r->pass = PASS_MTP, r->all = all, r->row = row;
