@@ -653,22 +653,30 @@ __device__ __forceinline__ float scan_gate(float y, float gate, float w, float &
     return u * w;
 }
 
-/* out_proj's side: all of gs's partial sums in one round trip (a block of THREADS threads), then
- * group g's scale rsqrt(mean(u^2) + eps) into gsum[g * parts] (gsum: GNORM_PARTS floats, shared). */
-template <int THREADS>
-__device__ __forceinline__ void group_scales(float *gsum, const GroupScale &gs, int cols) {
+/* out_proj's side: the partial sums of tokens t0 .. t0 + nt - 1 (nt <= NT) in one round trip (a block
+ * of THREADS threads), then token t's group g scale rsqrt(mean(u^2) + eps) into
+ * gsum[t * GNORM_PARTS + g * parts] (gsum: NT * GNORM_PARTS floats, shared). */
+template <int THREADS, int NT>
+__device__ __forceinline__ void group_scales(float *gsum, const GroupScale &gs, int cols, int t0, int nt) {
     constexpr int PER = GNORM_PARTS / THREADS;
-    int n = cols / gs.gsize * gs.parts;
-    float v[PER];
+    int groups = cols / gs.gsize, n = groups * gs.parts;
+    float v[NT][PER];
 #pragma unroll
-    for (int k = 0; k < PER; k++) v[k] = threadIdx.x + k * THREADS < n ? gs.ss[threadIdx.x + k * THREADS] : 0.0f;
+    for (int t = 0; t < NT; t++)
 #pragma unroll
-    for (int k = 0; k < PER; k++) gsum[threadIdx.x + k * THREADS] = v[k];
+        for (int k = 0; k < PER; k++) {
+            int i = threadIdx.x + k * THREADS;
+            v[t][k] = t < nt && i < n ? gs.ss[(t0 + t) * gs.step + i] : 0.0f;
+        }
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+#pragma unroll
+        for (int k = 0; k < PER; k++) gsum[t * GNORM_PARTS + threadIdx.x + k * THREADS] = v[t][k];
     __syncthreads();
-    for (int g = threadIdx.x; g < cols / gs.gsize; g += blockDim.x) {
-        float t = 0;
-        for (int j = 0; j < gs.parts; j++) t += gsum[g * gs.parts + j];
-        gsum[g * gs.parts] = rsqrtf(t / gs.gsize + gs.eps);
+    for (int j = threadIdx.x; j < nt * groups; j += blockDim.x) {
+        float *g = gsum + j / groups * GNORM_PARTS + j % groups * gs.parts, s = 0;
+        for (int p = 0; p < gs.parts; p++) s += g[p];
+        g[0] = rsqrtf(s / gs.gsize + gs.eps);
     }
     __syncthreads();
 }
@@ -887,16 +895,6 @@ typedef struct {
     GroupScale gs;              /* EPI_GNORM: the scan's partial sums of u^2 */
 } GemvArgs;
 
-/* EPI_GNORM: the group scales of tokens t0 .. t0 + nt - 1 into gsum + t * GNORM_PARTS (group_scales). */
-template <int THREADS>
-__device__ __forceinline__ void token_scales(float *gsum, const GroupScale &gs, int cols, int t0, int nt) {
-    for (int t = 0; t < nt; t++) {
-        GroupScale g = gs;
-        g.ss += (size_t)(t0 + t) * gs.step;
-        group_scales<THREADS>(gsum + t * GNORM_PARTS, g, cols);
-    }
-}
-
 /* out[t][i] = epi(sum_k W[i][k] x[t][k]) for fp32 and bf16 W; wpr warps per row, four to eight 16-byte
  * loads in flight per lane (row_dot), the first four before the wait; NT tokens a round (NT = 1: the
  * one-token kernel). Blocks from warm_from on (the last wave) then warm L2 for the next product. */
@@ -920,7 +918,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? 16 : 8) gemv_kernel
             __syncthreads();
             if (row < rows) row_load<FMT>(v, (const uint4 *)wrow, brow, c, st, nvec);
         }
-        if (EPI == EPI_GNORM) token_scales<32 * GEMV_WARPS>(gsum, gs, cols, t0, nt);
+        if (EPI == EPI_GNORM) group_scales<32 * GEMV_WARPS, NT>(gsum, gs, cols, t0, nt);
         auto sc = [&](int t, int k) { return EPI == EPI_GNORM ? gsum[t * GNORM_PARTS + k / gs.gsize * gs.parts] : 1.0f; };
         float acc[NT] = {};
         if (row < rows) row_dot<FMT, NT>(acc, wrow, brow, a.x + (size_t)t0 * a.ldx, a.ldx, nt, cols, c, st, v, sc);
@@ -968,7 +966,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT
             __syncthreads();
             rows_load<FMT, QROWS>(v, wr, br, lane, nvec);
         }
-        if (EPI == EPI_GNORM) token_scales<32 * GEMV_WARPS>(gsum, gs, cols, t0, nt);
+        if (EPI == EPI_GNORM) group_scales<32 * GEMV_WARPS, NT>(gsum, gs, cols, t0, nt);
         auto sc = [&](int t, int k) { return EPI == EPI_GNORM ? gsum[t * GNORM_PARTS + k / gs.gsize * gs.parts] : 1.0f; };
         float acc[NT][QROWS] = {}, mine[NT] = {};   /* lane q keeps row q's sums */
         rows_dot<FMT, QROWS, NT>(acc, wr, br, a.x + (size_t)t0 * a.ldx, a.ldx, nt, cols, lane, 32, v, sc);
@@ -996,8 +994,9 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT
 /* Causal depthwise conv1d (width 4) + SiLU:
  *   out[t] = silu(b + w0 in[t-3] + w1 in[t-2] + w2 in[t-1] + w3 in[t]),
  * where in[-3..-1] are the three inputs before this step, kept in `state` (oldest first). A thread
- * slides along CONV_STEPS steps of one channel, so each input is read once. A single step (decode)
- * also shifts the state here; a longer one leaves that to conv_state_kernel. With keep, the window
+ * slides along CONV_STEPS steps of one channel, so each input is read once. A step of at most
+ * CONV_STEPS tokens (decode, a verify forward) leaves the state here, its thread the only reader of
+ * its channel's; a longer one leaves that to conv_state_kernel. With keep, the window
  * after step t (in[t-2..t]) goes to keep + t * keep_step as well, laid out as state. */
 enum { CONV_STEPS = 8 };
 
@@ -1027,25 +1026,16 @@ __global__ void conv_kernel(float *out, const float *in, int ldi, float *state, 
         if (keep)
             for (int k = 0; k < 3; k++) keep[(size_t)t * keep_step + c * 3 + k] = h[k];
     }
-    if (T == 1) {
-        float s1 = state[c * 3 + 1], s2 = state[c * 3 + 2];
-        state[c * 3] = s1;
-        state[c * 3 + 1] = s2;
-        state[c * 3 + 2] = in[c];
-    }
+    if (gridDim.y == 1)
+        for (int k = 0; k < 3; k++) state[c * 3 + k] = h[k];
 }
 
-/* After the step: the state keeps the last three inputs (from the state itself when T < 3). */
+/* After a step of more than CONV_STEPS tokens: the state keeps its last three inputs. */
 __global__ void conv_state_kernel(float *state, const float *in, int ldi, int T, int C) {
     pdl_wait();
     int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
-    float s[3];
-    for (int k = 0; k < 3; k++) {
-        int j = T - 3 + k;
-        s[k] = j >= 0 ? in[(size_t)j * ldi + c] : state[c * 3 + 3 + j];
-    }
-    for (int k = 0; k < 3; k++) state[c * 3 + k] = s[k];
+    for (int k = 0; k < 3; k++) state[c * 3 + k] = in[(size_t)(T - 3 + k) * ldi + c];
 }
 
 /* The selective scan over T steps, for head h and channel (row) p:
@@ -3306,7 +3296,7 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     matmul(g, g->proj, in, g->x, H, T, &L->in_proj, EPI_NONE, &L->out, NULL);
     LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, g->stream, conv_kernel, g->xbc, g->proj + di, in, L->conv_st, L->conv_w,
            L->conv_b, T, cv, keeping(r) ? kept_at(g, L->conv_st) : NULL, slot);
-    if (T > 1) {
+    if (T > CONV_STEPS) {
         LAUNCH(cdiv(cv, 128), 128, 0, g->stream, conv_state_kernel, L->conv_st, g->proj + di, in, T, cv);
     }
     int gsize = di / s->groups, dec = decoded(g, T), fold = gnorm_folds(dec, s->m_heads, c->m_hdim, N, gsize, fmt_per(L->out.fmt));

@@ -426,7 +426,7 @@ static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> 
         float *d_proj = dev_copy(proj), *d_xbc = dev_copy(std::vector<float>((size_t)T * cv)), *d_y = dev_copy(std::vector<float>((size_t)T * di));
         LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv,
                (float *)nullptr, (size_t)0);
-        if (T > 1) {
+        if (T > CONV_STEPS) {
             LAUNCH(cdiv(cv, 128), 128, 0, 0, conv_state_kernel, d_cst, d_proj + di, in, T, cv);
         }
         ScanArgs sa = scan_args(d_y, d_ssm, d_xbc, d_proj, in, d_A, d_D, d_dtb, T, heads, hdim, groups, N);
@@ -537,7 +537,7 @@ static void test_keep(int heads, int hdim, int groups, int N, int T) {
         size_t slot = g.snap_bytes / sizeof(float);
         LAUNCH(dim3(cdiv(cv, 128), cdiv(n, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc + (size_t)t0 * cv, (const float *)d_proj + (size_t)t0 * in + di,
                in, conv_st, (const float *)d_cw, (const float *)d_cb, n, cv, keep ? kept_at(&g, conv_st) : (float *)nullptr, slot);
-        if (n > 1) LAUNCH(cdiv(cv, 128), 128, 0, 0, conv_state_kernel, conv_st, (const float *)d_proj + (size_t)t0 * in + di, in, n, cv);
+        if (n > CONV_STEPS) LAUNCH(cdiv(cv, 128), 128, 0, 0, conv_state_kernel, conv_st, (const float *)d_proj + (size_t)t0 * in + di, in, n, cv);
         ScanArgs sa = scan_args(d_y + (size_t)t0 * di, ssm, d_xbc + (size_t)t0 * cv, d_proj + (size_t)t0 * in, in, d_A, d_D, d_dtb, n, heads,
                                 hdim, groups, N);
         sa.gw = fold ? d_gw : nullptr;
@@ -1788,7 +1788,7 @@ int main(int argc, char **argv) {
     test_mtp_in(DT_FP8, DT_BF16, 4096, 3, 1, 1);
     test_mtp_in(DT_BF16, DT_NVFP4, 2048, 130, 4, 9);    /* a prompt's MTP pass */
     test_mamba(6, 10, 2, 16, {5, 1, 37});
-    test_mamba(4, 6, 1, 8, {1, 2, 1});
+    test_mamba(4, 6, 1, 8, {1, 2, 1, 8, 9, 1});
     test_mamba(8, 64, 4, 128, {3, 1});
     test_mamba(8, 64, 4, 128, {3}, DT_BF16, 8);   /* proj rows 16-byte aligned: the gated norm's 16-byte loads */
     test_mamba(24, 64, 1, 64, {2}, DT_BF16, 8);   /* a group of 1536 channels */
