@@ -19,10 +19,10 @@ for _ in $(seq "$passes"); do
     for p in "${prompts[@]}"; do
         for k in $counts; do
             err=$(./nemoh -m weights -n 256 "$@" --mtp "$k" "$p" 2>&1 >/dev/null) || { echo "$err" >&2; exit 1; }
-            read -r n s < <(sed -n 's/.*decode \([0-9]*\) tokens in \([0-9.]*\) s.*/\1 \2/p' <<< "$err")
+            read -r n r < <(sed -n 's/.*decode \([0-9]*\) tokens in [0-9.]* s (\([0-9.]*\) tok\/s).*/\1 \2/p' <<< "$err")
             read -r st a < <(sed -n 's/.* \([0-9]*\) steps, acceptance length [0-9.]* (\([0-9]*\) of.*/\1 \2/p' <<< "$err"; echo 0 0)
             tok[$k]=$((tok[$k] + n)) steps[$k]=$((steps[$k] + st)) acc[$k]=$((acc[$k] + a))
-            sec[$k]=$(awk "BEGIN { print ${sec[$k]} + $s }")
+            sec[$k]=$(awk "BEGIN { print ${sec[$k]} + $n / $r }")   # the rate's digits: seconds print to 1 ms
         done
     done
 done
