@@ -1,10 +1,9 @@
-"""Adds up a tools/kernel_trace.c trace per kernel over the last N single-token steps, or the last
-prompt.
+"""Adds up a tools/kernel_trace.c trace per kernel over the last N decode steps, or the last prompt.
 
-    python3 tools/kernel_trace.py trace.txt [N]
-    python3 tools/kernel_trace.py trace.txt prefill
+    python3 tools/kernel_trace.py trace.txt [N [T]]     T: tokens a step feeds (1; K + 1 with --mtp K)
+    python3 tools/kernel_trace.py trace.txt prefill     (plain decoding)
 
-A step runs from one single-token embedding (embed_kernel with gridY 1) to the next; the prompt from
+A step runs from one embedding of T tokens (embed_kernel with gridY T) to the next; the prompt from
 its embedding (gridY: its tokens) to the next embedding. Kernels overlap
 (programmatic dependent launch), so each record is charged what it added to the step's timeline: its
 end minus the latest end before it (0 if it ended under an earlier one); idle time, such as the host's
@@ -31,7 +30,8 @@ for line in open(sys.argv[1]):
     elif f[0] == "C":
         recs.append((int(f[1]), int(f[2]), "memcpy " + {"1": "HtoD", "2": "DtoH", "8": "DtoD"}.get(f[3], f[3]), 0, 0))
 recs.sort()
-embeds = [i for i, r in enumerate(recs) if r[2] == "embed_kernel" and r[4] == 1]
+per = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+embeds = [i for i, r in enumerate(recs) if r[2] == "embed_kernel" and r[4] == per]
 arg = sys.argv[2] if len(sys.argv) > 2 else "64"
 if arg == "prefill":
     a = [i for i, r in enumerate(recs) if r[2] == "embed_kernel" and r[4] > 1][-1]
