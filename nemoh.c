@@ -1365,14 +1365,14 @@ static void engine_draft(Engine *e, int j) { run_ranks(e, job_draft, &j); }
 
 /* out = [n, t_0..t_{T-1}] of the last accept (none where T = 0), then k drafts (-1 where a row was not
  * finite): every rank's (be->outcome), which must agree; t_i as model_tokens checks them. */
-typedef struct { int T, k, *out; } OutcomeArgs;
+typedef struct { int T, k, w, *out; } OutcomeArgs;   /* w: ints of a rank's outcome */
 static void job_outcome(Rank *r, void *arg) {
     OutcomeArgs *a = arg;
-    r->be->outcome(r, a->T, a->k, a->out + r->s.rank * (a->T + !!a->T + a->k));
+    r->be->outcome(r, a->T, a->k, a->out + r->s.rank * a->w);
 }
 static void engine_outcome(Engine *e, int T, int k, int *out) {
     int w = T + !!T + k, all[64 * (2 * SPEC_MAX + 2)];
-    OutcomeArgs a = {T, k, all};
+    OutcomeArgs a = {T, k, w, all};
     run_ranks(e, job_outcome, &a);
     ranks_agree(e, all, w, "step outcome");
     if (T && (all[0] < 0 || all[0] >= T)) die("accepted %d drafts of %d", all[0], T - 1);
@@ -1487,10 +1487,11 @@ typedef struct {
 
 /* Drafts a step when the model has an MTP block and --mtp is not given: the count that measured
  * fastest on the default model (its trained block; bench/RESULTS.md, "Drafting with the MTP block").
- * On one H200, greedy, 2 (over eight prompts 1.14x; 3, 1.08x; 4, 0.99x). On the CPU, greedy: 2 where
- * the AMX tile unit runs the bf16 products, whose several tokens cost what one does (over eight
- * prompts on the 2-core Xeon, 1.45x; 1 gives 1.29x, 3 1.41x); 1 without it, where a verify forward's
- * products pay for every token (the 2-core AMD EPYC, four runs: 1.14x to 1.23x; 2, 1.03x to 1.16x).
+ * On a GPU, greedy, 2 (over eight prompts, one H200: 1.14x; 3, 1.08x; 4, 0.99x; one H100: 1.18x). On
+ * the CPU, greedy: 2 where the AMX tile unit runs the bf16 products, whose several tokens cost what
+ * one does (over eight prompts on the 2-core Xeon, 1.45x; 1 gives 1.29x, 3 1.41x); 1 without it,
+ * where a verify forward's products pay for every token (the 2-core AMD EPYC, seven runs: 1.14x to
+ * 1.25x; 2, 1.03x to 1.19x).
  * Sampled, a greedy draft is accepted only when the draw equals it (acceptance length 1.27 at one
  * draft, 0.91x): none. */
 static int mtp_default(int gpu, float temp) {
@@ -1546,13 +1547,14 @@ static void dec_prefill(Decoder *d, const int *ids, int from, int to, int n_ids)
  * on the rank), on the hidden states in rows 0..T-1, then the drafts for the next step: the argmax at
  * its drafting row, at, and K - 1 more of the block's own, each pass fed the draft before it on the
  * rank. at = -1: only the rank knows it (the accepted count; the pass makes every row's logits, and
- * later passes' positions are the rank's). d->pos and d->n_tok are the most the step may leave them
- * (what bounds the drafts); the drafts come back with engine_outcome. */
-static int dec_draft(Decoder *d, const int *tok, int T, int from, int at) {
+ * later passes' positions are the rank's). The drafts are bounded by the context after position
+ * from + T - 1 and by the tokens left once the step has handed out `made` (at most, where at = -1);
+ * they come back with engine_outcome. */
+static int dec_draft(Decoder *d, const int *tok, int T, int from, int at, int made) {
     Engine *e = d->e;
     engine_mtp(e, tok, T, 0, from, d->dump_mtp || at < 0);
     if (d->dump_mtp) dec_keep_rows(d, &d->mtp_rows, &d->mtp_cap, from, T, d->e->rank[0].draft_vocab);
-    int k = d->k, room = d->ctx - 1 - d->pos, want = d->left - d->n_tok - 1;
+    int k = d->k, room = d->ctx - 1 - (from + T), want = d->left - made - 1;
     k = k < room ? k : room;
     k = k < want ? k : want;
     for (int j = 0; j < k; j++) {
@@ -1590,7 +1592,7 @@ static int dec_next(Decoder *d) {
             int T = d->pos - d->mtp_from, *t = xmalloc((size_t)T * sizeof(int));
             memcpy(t, d->ids + d->mtp_from + 1, (size_t)(T - 1) * sizeof(int));
             t[T - 1] = d->tok[0];
-            int k = dec_draft(d, t, T, d->mtp_from, T - 1);
+            int k = dec_draft(d, t, T, d->mtp_from, T - 1, 1);
             free(t);
             engine_outcome(e, 0, k, out);
             dec_take_drafts(d, out, k);
@@ -1610,9 +1612,8 @@ static int dec_next(Decoder *d) {
         if (n < 0 && (d->dump || d->dump_mtp)) engine_outcome(e, T, 0, out), n = out[0];   /* the dumps keep n + 1 rows */
         if (d->dump) dec_keep_rows(d, &d->rows, &d->rows_cap, d->pos, n + 1, d->e->c.vocab);
         d->base = d->pos;
-        d->pos += (n < 0 ? K : n) + 1;   /* at most */
-        d->n_tok = (n < 0 ? K : n) + 1;
-        int k = dec_draft(d, NULL, n < 0 ? T : n + 1, d->base, n);
+        int made = n < 0 ? T : n + 1;   /* at most */
+        int k = dec_draft(d, NULL, made, d->base, n, made);
         engine_outcome(e, T, k, out);
         n = out[0];
         memcpy(d->tok, out + 1, (size_t)(n + 1) * sizeof(int));
