@@ -4676,7 +4676,6 @@ int main(int argc, char **argv) {
 #ifdef NEMOH_CUDA
     if (gpus) be = &cuda_backend;
 #endif
-    if (mtp_vocab && be != &cpu_backend) die("--mtp-vocab: the CUDA backend drafts among the whole vocabulary (run with --cpu)");
     if (!mtp_vocab) mtp_vocab = be == &cpu_backend ? (e.c.vocab + 7) / 8 : e.c.vocab;
     if (has_kind(&e.c, K_MOE) && !be->moe)
         die("%s: the %s backend does not run mixture-of-experts layers yet; run it with --cpu", preset ? preset : dir, be->name);

@@ -2981,14 +2981,14 @@ __global__ void accept_kernel(int *step, int *io, int T, unsigned *state, const 
     if (threadIdx.x == 0) step[0] = n, io[1] = 0, io[2] = n, step[STEP_DONE] = 0;
 }
 
-/* A draft (greedy: the first maximum of the drafting row's logits, the last pass's row at where it made
- * every row's; -1 where the row is not finite), and the inputs of the pass after it in io: the drafting
- * row's position + 1, x row that row, the draft as token:
- *   d = argmax l[all ? at : 0];  pos += at + 1;  row = at;  at = 0;  tok[0] = d */
-__global__ void __launch_bounds__(1024) draft_kernel(int *draft, const float *l, int V, int *io, int all) {
+/* A draft (greedy: the first maximum of the drafting row's logits among ids below n, the last pass's
+ * row at where it made every row's; -1 where those logits are not finite; rows V apart), and the
+ * inputs of the pass after it in io: the drafting row's position + 1, x row that row, the draft as token:
+ *   d = argmax l[all ? at : 0][0..n);  pos += at + 1;  row = at;  at = 0;  tok[0] = d */
+__global__ void __launch_bounds__(1024) draft_kernel(int *draft, const float *l, int V, int n, int *io, int all) {
     pdl_wait();
     float mx;
-    int at = io[2], d = block_argmax(l + (size_t)(all ? at : 0) * V, V, &mx);
+    int at = io[2], d = block_argmax(l + (size_t)(all ? at : 0) * V, n, &mx);
     if (threadIdx.x) return;
     *draft = d;
     io[0] += at + 1, io[1] = at, io[2] = 0, io[3] = d;
@@ -3531,7 +3531,9 @@ static void gpu_logits(Rank *r, int T, int all) {
     const float *x = g->x + (size_t)(all ? 0 : T - 1) * H;
     /* the next forward's first product: while drafting, the MTP block's input projection */
     const GMat *next = c->n_mtp && (r->pass == PASS_MTP || r->spec) ? &g->eh_proj : first_product(g, c, 0);
-    matmul(g, g->logits_local, Vl, x, H, rows, &g->lm_head, EPI_NONE, next, NULL);
+    GMat W = g->lm_head;   /* an MTP pass: the rows of ids below draft_vocab only (of this rank's slice) */
+    if (r->pass == PASS_MTP) W.rows = std::max(0, std::min(W.rows, r->draft_vocab - r->s.rank * Vl));
+    if (W.rows) matmul(g, g->logits_local, Vl, x, H, rows, &W, EPI_NONE, next, NULL);
     if (r->s.n > 1) {  /* row t of the gathered logits: [rank 0 slice | rank 1 slice | ...] */
         NCCL_CHECK(ncclGroupStart());
         for (int t = 0; t < rows; t++)
@@ -3580,7 +3582,8 @@ static int gpu_accept(Rank *r, const int *tok, int T, float temp, float topp, ui
 static void gpu_draft(Rank *r, int j) {
     GpuRank *g = gpu_rank(r);
     if (j < 0 || j >= std::max(r->spec, 1)) { fprintf(stderr, "nemoh: draft %d, room for %d\n", j, r->spec); exit(1); }
-    LAUNCH(1, 1024, 0, g->stream, draft_kernel, g->step + STEP_D + j, (const float *)g->logits, r->c->vocab, g->pos, (int)(g->rows > 1));
+    LAUNCH(1, 1024, 0, g->stream, draft_kernel, g->step + STEP_D + j, (const float *)g->logits, r->c->vocab, r->draft_vocab, g->pos,
+           (int)(g->rows > 1));
 }
 
 /* The step's outcome to the host (be->outcome): one copy back, one sync. */

@@ -627,8 +627,25 @@ else
     grep -q 'mtp: 2 drafts a step' "$T/gpu-gd.err" && pass "GPU default model, greedy: 2 drafts a step by default (fastest there)" \
         || fail "GPU default model, greedy: 2 drafts a step by default (fastest there)" "$(cat "$T/gpu-gd.err")"
     chat_turns ./nemoh "$T/chat-mtp" "GPU chat --mtp 3" 2e-4 - --mtp 3
-    refuse "GPU bad input: --mtp-vocab on the CUDA backend" "--mtp-vocab: the CUDA backend drafts among the whole vocabulary" \
-        ./nemoh -m tests/fixtures/tiny-mtp-f32 --ids 1 --mtp 2 --mtp-vocab 8
+    # --mtp-vocab N on the GPU: each pass computes lm_head's rows of ids below N and drafts among them
+    for f in tiny-mtp-f32 tiny-mtp-latent-f32; do
+        d=tests/fixtures/$f V=$(vocab_of "$d")
+        nv=$((V / 2 + 3))
+        fixture_run ./nemoh "$d" "$T/gpu-$f-nv.bin" --mtp 3 --mtp-vocab $nv --dump-mtp "$T/gpu-$f-nv.mtp" >/dev/null
+        check "GPU $f --mtp-vocab $nv: MTP logits of those ids at every position within 2e-4 of the oracle" \
+            "$T/compare_logits" "$T/gpu-$f-nv.mtp" "$d/mtp_logits.bin" 2e-4 $nv $V
+    done
+    d=tests/fixtures/tiny-mtp-f32 ids=$(cat tests/fixtures/tiny-mtp-f32/prompt.txt)
+    plain=$(./nemoh -m $d --ids "$ids" -n 48 -t 0 --mtp 0 2>/dev/null)
+    got=$(./nemoh -m $d --ids "$ids" -n 48 -t 0 --mtp 2 --mtp-vocab 1 2>"$T/gpu-nv1.err")
+    if ! grep -qw 0 <<< "$plain" && [ "$got" = "$plain" ] && grep -q 'among ids below 1;.* (0 of [0-9]* drafts accepted' "$T/gpu-nv1.err"; then
+        pass "GPU tiny-mtp-f32 --mtp 2 --mtp-vocab 1: every draft id 0, none accepted, tokens equal --mtp 0"
+    else fail "GPU tiny-mtp-f32 --mtp 2 --mtp-vocab 1: every draft id 0, none accepted, tokens equal --mtp 0" "$got"$'\n'"$plain"$'\n'"$(cat "$T/gpu-nv1.err")"; fi
+    ./nemoh -m weights --ids "$(cat tests/fixtures/default-ref/ids.txt)" -n 1 -t 0 --mtp 3 --mtp-vocab 1024 --dump-mtp "$T/gdefm-nv.bin" >/dev/null 2>&1
+    check "GPU default model --mtp-vocab 1024: MTP logits of those ids within 5e-2 of the oracle" "$T/compare_logits" "$T/gdefm-nv.bin" \
+        tests/fixtures/default-ref/mtp_logits.bin 5e-2 1024 8192
+    same "GPU default model: greedy drafting among 1024 ids (--mtp 3 --mtp-vocab 1024) = without drafts" \
+        "$(./nemoh -m weights -n 64 -t 0 --mtp 3 --mtp-vocab 1024 "Once upon a time" 2>/dev/null)" "$g0"
     # --chat on the GPU: snapshots are device-to-device copies the replayed decode graph then reads
     for fmt in nano-v2 nemotron-3; do chat_turns ./nemoh $fmt "GPU chat $fmt" 5e-2 -; done
     chat_turns ./nemoh nemotron-3 "GPU chat nemotron-3 --no-graph" 5e-2 --no-think --no-graph

@@ -1347,6 +1347,7 @@ static void tiny_rank(Rank &r, Tiny &m, int t_max, int spec) {
     r.ctx = m.c.ctx;
     r.fuse = 1;
     r.spec = spec;
+    r.draft_vocab = m.c.vocab;
     cuda_backend.init(&r);
 }
 
