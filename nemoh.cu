@@ -101,6 +101,9 @@ static __host__ __device__ size_t row_bytes(int fmt, size_t ld) { return ld / fm
 /* A prompt's activations meet W on the tensor cores in bf16, unless W is fp32 (then fp32, exact). */
 static int lowp(const GMat *W) { return W->fmt != DT_F32; }
 
+/* Quantized: read with a row scale (and NVFP4's block scales). */
+static __host__ __device__ int quantized(int fmt) { return fmt == DT_FP8 || fmt == DT_NVFP4; }
+
 /* Bytes of W's elements (not of its scales). */
 static size_t gmat_bytes(const GMat *W) { return (size_t)W->rows * row_bytes(W->fmt, W->ld); }
 
@@ -942,12 +945,15 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? 16 : 8) gemv_kernel
 }
 
 /* The same for FP8 and NVFP4 W, out[t][i] = epi(s_i sum_k W[i][k] x[t][k]) with s_i the row's scale: a
- * warp takes QROWS rows (rows_dot); their first pieces before the wait. */
+ * warp takes QROWS rows (rows_dot), wpr warps the same rows (each every wpr-th piece, summed through
+ * shared memory: matrices of few rows fill the GPU); their first pieces before the wait. */
 template <int FMT, int EPI, int NT>
 __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT) : 4) gemv_q_kernel(const __grid_constant__ GemvArgs a) {
     const GroupScale gs = a.gs;
     int rows = a.W.rows, cols = a.W.cols, lane = threadIdx.x & 31, T = NT == 1 ? 1 : a.T, nvec = cols / fmt_per(FMT);
-    int row0 = (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * QROWS;
+    int warp = threadIdx.x >> 5, wpr = a.wpr, part = warp % wpr, c = part * 32 + lane;
+    int row0 = (blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr) * QROWS;
+    __shared__ float red[GEMV_WARPS][NT][QROWS];
     const char *wr[QROWS];
     const uint8_t *br[QROWS];
     Piece v[QROWS];
@@ -957,19 +963,19 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT
         wr[q] = (const char *)a.W.w + (size_t)r * row_bytes(FMT, a.W.ld);
         br[q] = FMT == DT_NVFP4 ? a.W.bs + (size_t)r * (a.W.ld / 16) : NULL;
     }
-    rows_load<FMT, QROWS>(v, wr, br, lane, nvec);
+    rows_load<FMT, QROWS>(v, wr, br, c, nvec);
     pdl_wait();
     __shared__ float gsum[EPI == EPI_GNORM ? NT * GNORM_PARTS : 1];
     for (int t0 = 0; t0 < T; t0 += NT) {
         int nt = min(NT, T - t0);
-        if (t0) {   /* the round before is done with gsum; its pieces were all used */
+        if (t0) {   /* the round before is done with gsum and red; its pieces were all used */
             __syncthreads();
-            rows_load<FMT, QROWS>(v, wr, br, lane, nvec);
+            rows_load<FMT, QROWS>(v, wr, br, c, nvec);
         }
         if (EPI == EPI_GNORM) group_scales<32 * GEMV_WARPS, NT>(gsum, gs, cols, t0, nt);
         auto sc = [&](int t, int k) { return EPI == EPI_GNORM ? gsum[t * GNORM_PARTS + k / gs.gsize * gs.parts] : 1.0f; };
         float acc[NT][QROWS] = {}, mine[NT] = {};   /* lane q keeps row q's sums */
-        rows_dot<FMT, QROWS, NT>(acc, wr, br, a.x + (size_t)t0 * a.ldx, a.ldx, nt, cols, lane, 32, v, sc);
+        rows_dot<FMT, QROWS, NT>(acc, wr, br, a.x + (size_t)t0 * a.ldx, a.ldx, nt, cols, c, 32 * wpr, v, sc);
 #pragma unroll
         for (int t = 0; t < NT; t++)
 #pragma unroll
@@ -978,7 +984,14 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT
                 if (lane == q) mine[t] = s;
             }
         if (t0 + NT >= T && (int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
-        if (lane < QROWS && row0 + lane < rows)
+        if (wpr > 1) {   /* the first warp of the row's adds the others' sums, in order */
+            if (lane < QROWS)
+                for (int t = 0; t < NT; t++) red[warp][t][lane] = mine[t];
+            __syncthreads();
+            for (int k = 1; k < wpr && !part && lane < QROWS; k++)
+                for (int t = 0; t < NT; t++) mine[t] += red[warp + k][t][lane];
+        }
+        if (lane < QROWS && row0 + lane < rows && !part)
             for (int t = 0; t < nt; t++) {
                 float o = mine[t] * a.W.rs[row0 + lane];
                 if (EPI == EPI_RELU2) { o = fmaxf(o, 0.0f); o *= o; }
@@ -2211,7 +2224,7 @@ typedef struct {
 } MoeRow;
 
 __device__ __forceinline__ MoeRow moe_row(const GMat &W, size_t i) {
-    int q = W.fmt == DT_FP8 || W.fmt == DT_NVFP4;
+    int q = quantized(W.fmt);
     return MoeRow{(const char *)W.w + i * row_bytes(W.fmt, W.ld), W.bs ? W.bs + i * (W.ld / 16) : NULL, q ? W.rs[i] : 1.0f};
 }
 
@@ -2360,7 +2373,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
     __shared__ const float *xs[MOE_SEGS];
     __shared__ size_t r0[MOE_SEGS];
     __shared__ int ld[MOE_SEGS];
-    __shared__ float red[GEMV_WARPS][NT];
+    __shared__ float red[GEMV_WARPS][NT][QROWS];   /* the row's (QROWS rows') sums of each warp */
     int n = md.k + md.nfixed, T = NT == 1 ? 1 : md.T;
     for (int j = threadIdx.x; j < n; j += blockDim.x) {   /* token 0's segments */
         const MoeIn *in = j < md.k ? &md.routed : &md.fixed[j - md.k];
@@ -2376,7 +2389,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
     };
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr, first = part * 32 + lane, st = 32 * wpr;
     if constexpr (F != DT_F32 && F != DT_BF16) {   /* quantized: QROWS output rows a warp, x read once a piece */
-        int row0 = (blockIdx.x * GEMV_WARPS + warp) * QROWS;
+        int row0 = (blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr) * QROWS;
         auto rows_of = [&](const MoeSeg &sg, const char *(&w)[QROWS], const uint8_t *(&bs)[QROWS], float (&sc)[QROWS]) {
 #pragma unroll
             for (int q = 0; q < QROWS; q++) {
@@ -2390,7 +2403,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
         if (row0 < rows && n) {
             MoeSeg s0 = moe_seg(0, 0);
             rows_of(s0, w, bs, sc);
-            for (int q = 0; q < QROWS; q++) l2_row(w[q], row_bytes(s0.W->fmt, s0.W->cols), lane, 32);
+            for (int q = 0; q < QROWS; q++) l2_row(w[q], row_bytes(s0.W->fmt, s0.W->cols), first, st);
         }
         pdl_wait();
         for (int t0 = 0; t0 < T; t0 += NT) {
@@ -2401,7 +2414,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
                     MoeSeg sg = moe_seg(t0 + t, j);
                     float part_acc[1][QROWS] = {};
                     rows_of(sg, w, bs, sc);
-                    rows_dot_fmt<F, QROWS, 1>(sg.W->fmt, part_acc, w, bs, sg.x, 0, 1, sg.W->cols, lane, 32);
+                    rows_dot_fmt<F, QROWS, 1>(sg.W->fmt, part_acc, w, bs, sg.x, 0, 1, sg.W->cols, first, st);
 #pragma unroll
                     for (int q = 0; q < QROWS; q++) acc[t][q] += part_acc[0][q] * sc[q];
                 }
@@ -2409,7 +2422,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
                 MoeSeg sg = moe_seg(t0, j);
                 float part_acc[NT][QROWS] = {};
                 rows_of(sg, w, bs, sc);
-                rows_dot_fmt<F, QROWS, NT>(sg.W->fmt, part_acc, w, bs, sg.x, ld[j], nt, sg.W->cols, lane, 32);
+                rows_dot_fmt<F, QROWS, NT>(sg.W->fmt, part_acc, w, bs, sg.x, ld[j], nt, sg.W->cols, first, st);
 #pragma unroll
                 for (int t = 0; t < NT; t++)
 #pragma unroll
@@ -2423,7 +2436,15 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
                     if (lane == q) mine[t] = v;
                 }
             if (t0 + NT >= T && (int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
-            if (lane < QROWS && row0 + lane < rows)
+            if (wpr > 1) {   /* the first warp of the rows adds the others' sums, in order */
+                if (t0) __syncthreads();   /* the round before has read red */
+                if (lane < QROWS)
+                    for (int t = 0; t < NT; t++) red[warp][t][lane] = mine[t];
+                __syncthreads();
+                for (int k = 1; k < wpr && !part && lane < QROWS; k++)
+                    for (int t = 0; t < NT; t++) mine[t] += red[warp + k][t][lane];
+            }
+            if (lane < QROWS && row0 + lane < rows && !part)
                 for (int t = 0; t < nt; t++) out[(size_t)(t0 + t) * md.ldo + row0 + lane] = mine[t];
         }
     } else {
@@ -2464,10 +2485,10 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
             if (wpr > 1) {
                 if (t0) __syncthreads();   /* the round before has read red */
                 if (lane == 0)
-                    for (int t = 0; t < NT; t++) red[warp][t] = acc[t];
+                    for (int t = 0; t < NT; t++) red[warp][t][0] = acc[t];
                 __syncthreads();
                 for (int k = 1; k < wpr && !part; k++)
-                    for (int t = 0; t < NT; t++) acc[t] += red[warp + k][t];
+                    for (int t = 0; t < NT; t++) acc[t] += red[warp + k][t][0];
             }
             if (lane == 0 && row < rows && !part)
                 for (int t = 0; t < nt; t++) out[(size_t)(t0 + t) * md.ldo + row] = acc[t];
@@ -3005,24 +3026,34 @@ static int gemv_slots(int gpu) {
     return sms * per_sm;
 }
 
-/* Warps per row of a one-token product. Its blocks run in waves of gemv_slots, all the same work, so
- * a last wave that is mostly empty leaves most SMs idle while it runs; more warps a row make more,
- * smaller blocks, but shorter streams, which are slower. Estimated time, relative:
+/* Blocks of a one-token product over `rows` rows (quantized, q: QROWS rows a warp), wpr warps a
+ * row, and how many the GPU holds at once (quantized: half, at 8 blocks an SM). */
+static int gemv_blocks(const GpuRank *g, int rows, int q, int wpr, int *slots) {
+    *slots = q ? g->gemv_slots / 2 : g->gemv_slots;
+    return cdiv(rows, GEMV_WARPS / wpr * (q ? QROWS : 1));
+}
+
+/* Warps per row of a one-token product over `rows` rows of `bytes` each (q: quantized). Its blocks
+ * run in waves, all the same work, so a last wave that is mostly empty leaves most SMs idle while it
+ * runs; more warps a row make more, smaller blocks, but shorter streams, which are slower. Estimated
+ * time, relative:
  *   (1 + idle / (2 waves)) * 1.08^log2(wpr),  idle = the empty part of the last wave
  * (both constants tuned on H200, on test_kernels' timings: for blocks of 2 warps they pick the
  * faster of 1 and 2 warps a row, or one within 2%, at every model shape measured); at least 8 KB a
  * warp. */
-static int gemv_wpr(const GpuRank *g, const GMat *W) {
+static int gemv_wpr(const GpuRank *g, int rows, size_t bytes, int q) {
     int best = 1;
     double best_t = INFINITY;
     for (int wpr = 1; wpr <= GEMV_WARPS; wpr *= 2) {
-        if (wpr > 1 && (size_t)W->cols * 16 / fmt_per(W->fmt) / wpr < 8192) break;
-        double waves = (double)cdiv(W->rows, GEMV_WARPS / wpr) / g->gemv_slots;
+        if (wpr > 1 && bytes * (q ? QROWS : 1) / wpr < 8192) break;
+        int slots, blocks = gemv_blocks(g, rows, q, wpr, &slots);
+        double waves = (double)blocks / slots;
         double t = (1 + (ceil(waves) - waves) / (2 * waves)) * pow(1.08, log2(wpr));
         if (t < best_t) { best_t = t; best = wpr; }
     }
     return best;
 }
+static int gemv_wpr(const GpuRank *g, const GMat *W) { return gemv_wpr(g, W->rows, row_bytes(W->fmt, W->cols), quantized(W->fmt)); }
 
 /* out[n][rows] = act[n][cols] W^T over n rows, act already in W's dtype (bf16 or fp32), fp32 out;
  * beta 1 adds to out. Row-major out[n][rows] = act[n][cols] W^T is column-major out^T = W^T(op T of
@@ -3090,16 +3121,6 @@ static void (*gemv_for(int fmt, int epi, int several))(const GemvArgs) {
     return several ? gemv_for<GEMV_TOKENS>(fmt, epi) : gemv_for<1>(fmt, epi);
 }
 
-/* Blocks of the one-token product of W (wpr warps a row; quantized: QROWS rows a warp), and how many
- * the GPU holds at once (quantized: half, at 8 blocks an SM). Fewer rows a warp where QROWS leave
- * fewer blocks than that (nemotron-h-8b's down_proj: 512) measured slower on H200: 3.345 against
- * 3.065 ms/token for nemotron-h-8b-fp8; NVFP4 rows then are bound by their x reads again. */
-static int gemv_blocks(const GpuRank *g, const GMat *W, int wpr, int *slots) {
-    int q = W->fmt == DT_FP8 || W->fmt == DT_NVFP4;
-    *slots = q ? g->gemv_slots / 2 : g->gemv_slots;
-    return q ? cdiv(W->rows, GEMV_WARPS * QROWS) : cdiv(W->rows, GEMV_WARPS / wpr);
-}
-
 /* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2, or in a
  * decoded step the group scale gs (EPI_GNORM). A decoded step's tokens (decoded) take the one-token
  * kernels, every row of out the one a one-token step computes; their last wave then warms L2 for
@@ -3107,7 +3128,7 @@ static int gemv_blocks(const GpuRank *g, const GMat *W, int wpr, int *slots) {
 static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi, const GMat *next,
                    const GroupScale *gs) {
     if (decoded(g, T) && (T == 1 || ldx % 4 == 0)) {   /* each token's x row 16-byte aligned, as the kernel reads it */
-        int wpr = gemv_wpr(g, W), slots, blocks = gemv_blocks(g, W, wpr, &slots);
+        int wpr = gemv_wpr(g, W), slots, blocks = gemv_blocks(g, W->rows, quantized(W->fmt), wpr, &slots);
         GemvArgs a = {.out = out, .W = *W, .x = x, .T = T, .ldx = ldx, .ldo = ldo, .wpr = wpr, .warm = next ? next->w : NULL,
                       .warm_n = warm_bytes(next), .warm_from = blocks > slots ? blocks - slots : 0,
                       .gs = gs ? *gs : GroupScale{NULL, 0, 1, 0.0f, 0}};
@@ -3444,13 +3465,11 @@ static void moe_gemm(GpuRank *g, const GMat &W, const void *a, const int *tok, i
 static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, const GMat *next) {
     size_t bytes = md.k ? md.k * row_bytes(md.routed.W.fmt, md.routed.W.cols) : 0;
     for (int j = 0; j < md.nfixed; j++) bytes += row_bytes(md.fixed[j].W.fmt, md.fixed[j].W.cols);
-    GMat shape = {NULL, DT_BF16, rows, (int)(bytes / 2), 0, NULL, NULL};
     int fmts[3] = {0}, nf = 0;
     if (md.k) fmts[nf++] = md.routed.W.fmt;
     for (int j = 0; j < md.nfixed; j++) fmts[nf++] = md.fixed[j].W.fmt;
-    int f = fmt_class(fmts, nf);
-    int q = f != DT_F32 && f != DT_BF16, wpr = q ? 1 : gemv_wpr(g, &shape), slots = q ? g->gemv_slots / 2 : g->gemv_slots;
-    int blocks = q ? cdiv(rows, GEMV_WARPS * QROWS) : cdiv(rows, GEMV_WARPS / wpr);
+    int f = fmt_class(fmts, nf), q = f != DT_F32 && f != DT_BF16, wpr = gemv_wpr(g, rows, bytes, q), slots;
+    int blocks = gemv_blocks(g, rows, q, wpr, &slots);
     LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, md.T > 1 ? moe_down_for<GEMV_TOKENS>(f) : moe_down_for<1>(f), out, rows,
            (const int *)g->moe_idx, md, wpr, next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
 }
@@ -3742,7 +3761,7 @@ static GMat upload_mat(const Mat *parts, int n_parts) {
         CUDA_CHECK(cudaMalloc(&m.bs, (size_t)m.rows * nb));
         CUDA_CHECK(cudaMemset(m.bs, 0, (size_t)m.rows * nb));
     }
-    if (m.fmt == DT_FP8 || m.fmt == DT_NVFP4) {
+    if (quantized(m.fmt)) {
         std::vector<float> rs;
         for (int k = 0; k < n_parts; k++) rs.insert(rs.end(), (size_t)parts[k].rows, parts[k].scale);
         CUDA_CHECK(cudaMalloc(&m.rs, rs.size() * sizeof(float)));
@@ -3798,7 +3817,7 @@ static float *zeros(size_t n) {
  * m is quantized. */
 static size_t mat_bytes(const Mat *m, int rows, int *quant) {
     GMat d = {NULL, gpu_fmt(m), rows, m->cols, cdiv(m->cols, fmt_per(gpu_fmt(m))) * fmt_per(gpu_fmt(m)), NULL, NULL};
-    int q = d.fmt == DT_FP8 || d.fmt == DT_NVFP4;
+    int q = quantized(d.fmt);
     *quant |= q;
     return gmat_bytes(&d) + (d.fmt == DT_NVFP4 ? (size_t)rows * d.ld / 16 : 0) + (q ? (size_t)rows * 4 : 0);
 }

@@ -1662,10 +1662,11 @@ static void time_gemv(int rows, int cols, int fmt = DT_BF16) {
     double bytes = (double)rows * cols * 16 / fmt_per(fmt) + (fmt == DT_NVFP4 ? rows * cols / 16.0 : 0);
     printf("# gemv %s %dx%d: %.1f us (%d warps a row), %.0f GB/s of weights; at 1, 2:", fmt_name(fmt), rows, cols, us, gemv_wpr(&g, &W),
            bytes / (us * 1e3));
-    for (int wpr = 1; wpr <= (fmt == DT_BF16 ? GEMV_WARPS : 0); wpr *= 2)
+    for (int wpr = 1; wpr <= (fmt == DT_BF16 || quantized(fmt) ? GEMV_WARPS : 0); wpr *= 2)
         printf(" %.1f", time_us(g.stream, 50, [&] {
             GemvArgs a = {.out = dout, .W = W, .x = dx, .wpr = wpr, .warm = nullptr, .warm_n = 0, .warm_from = 0, .gs = GroupScale{}};
-            LAUNCH(cdiv(rows, GEMV_WARPS / wpr), 32 * GEMV_WARPS, 0, g.stream, gemv_for(fmt, EPI_NONE, 0), a);
+            int slots;
+            LAUNCH(gemv_blocks(&g, rows, quantized(fmt), wpr, &slots), 32 * GEMV_WARPS, 0, g.stream, gemv_for(fmt, EPI_NONE, 0), a);
         }));
     printf(" us\n");
     free_mat(&W);
