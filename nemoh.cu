@@ -885,6 +885,27 @@ enum { GEMV_WARPS = 2 };
  * step) runs in rounds of GEMV_TOKENS, a warp's rows read again (from L2) each round. */
 enum { GEMV_TOKENS = 4 };
 
+/* The sums of QROWS rows a warp holds spread over its lanes (acc[t][q]): over the warp into lane q's
+ * mine[t], then, where wpr warps share the rows, over those into the first one's, in order (red:
+ * shared memory of the block that no thread still reads). */
+template <int NT>
+__device__ __forceinline__ void rows_sum(float (&mine)[NT], const float (&acc)[NT][QROWS], float (&red)[GEMV_WARPS][NT][QROWS], int wpr) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < NT; t++)
+#pragma unroll
+        for (int q = 0; q < QROWS; q++) {
+            float s = warp_sum(acc[t][q]);
+            if (lane == q) mine[t] = s;
+        }
+    if (wpr == 1) return;
+    if (lane < QROWS)
+        for (int t = 0; t < NT; t++) red[warp][t][lane] = mine[t];
+    __syncthreads();
+    for (int k = 1; k < wpr && warp % wpr == 0 && lane < QROWS; k++)
+        for (int t = 0; t < NT; t++) mine[t] += red[warp + k][t][lane];
+}
+
 typedef struct {
     float *out;                 /* [T, ldo] out[t][i] for rows i */
     GMat W;                     /* the matrix, of the kernel's FMT */
@@ -976,21 +997,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT
         auto sc = [&](int t, int k) { return EPI == EPI_GNORM ? gsum[t * GNORM_PARTS + k / gs.gsize * gs.parts] : 1.0f; };
         float acc[NT][QROWS] = {}, mine[NT] = {};   /* lane q keeps row q's sums */
         rows_dot<FMT, QROWS, NT>(acc, wr, br, a.x + (size_t)t0 * a.ldx, a.ldx, nt, cols, c, 32 * wpr, v, sc);
-#pragma unroll
-        for (int t = 0; t < NT; t++)
-#pragma unroll
-            for (int q = 0; q < QROWS; q++) {
-                float s = warp_sum(acc[t][q]);
-                if (lane == q) mine[t] = s;
-            }
         if (t0 + NT >= T && (int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
-        if (wpr > 1) {   /* the first warp of the row's adds the others' sums, in order */
-            if (lane < QROWS)
-                for (int t = 0; t < NT; t++) red[warp][t][lane] = mine[t];
-            __syncthreads();
-            for (int k = 1; k < wpr && !part && lane < QROWS; k++)
-                for (int t = 0; t < NT; t++) mine[t] += red[warp + k][t][lane];
-        }
+        rows_sum<NT>(mine, acc, red, wpr);
         if (lane < QROWS && row0 + lane < rows && !part)
             for (int t = 0; t < nt; t++) {
                 float o = mine[t] * a.W.rs[row0 + lane];
@@ -2428,22 +2436,9 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
 #pragma unroll
                     for (int q = 0; q < QROWS; q++) acc[t][q] += part_acc[t][q] * sc[q];
             }
-#pragma unroll
-            for (int t = 0; t < NT; t++)
-#pragma unroll
-                for (int q = 0; q < QROWS; q++) {
-                    float v = warp_sum(acc[t][q]);
-                    if (lane == q) mine[t] = v;
-                }
             if (t0 + NT >= T && (int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
-            if (wpr > 1) {   /* the first warp of the rows adds the others' sums, in order */
-                if (t0) __syncthreads();   /* the round before has read red */
-                if (lane < QROWS)
-                    for (int t = 0; t < NT; t++) red[warp][t][lane] = mine[t];
-                __syncthreads();
-                for (int k = 1; k < wpr && !part && lane < QROWS; k++)
-                    for (int t = 0; t < NT; t++) mine[t] += red[warp + k][t][lane];
-            }
+            if (wpr > 1 && t0) __syncthreads();   /* the round before has read red */
+            rows_sum<NT>(mine, acc, red, wpr);
             if (lane < QROWS && row0 + lane < rows && !part)
                 for (int t = 0; t < nt; t++) out[(size_t)(t0 + t) * md.ldo + row0 + lane] = mine[t];
         }
