@@ -4237,6 +4237,7 @@ static void ar_rank(ArBench *b) {
             CUDA_CHECK(cudaMemcpy(pend, hp.data(), cnt * sizeof(float), cudaMemcpyHostToDevice));
             CUDA_CHECK(cudaMemcpy(pend + slot, hp.data(), cnt * sizeof(float), cudaMemcpyHostToDevice));
             CUDA_CHECK(cudaMemcpy(res, hres.data(), cnt * sizeof(float), cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaDeviceSynchronize());   /* pageable copies may return before they land; st does not wait */
             CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
             for (int it = 0; it < AR_ITERS; it++) {
                 int s = it & 1;  /* alternate the two slots, as the layer loop does */

@@ -20,10 +20,17 @@ static std::vector<float> rand_vec(size_t n, float scale = 1.0f) {
     return v;
 }
 
+/* cudaMemcpy from pageable memory may return before the bytes land, and the engine's streams do not
+ * wait for the default stream: the device is synchronized before any kernel may read them. */
+static void upload(void *d, const void *h, size_t bytes) {
+    CUDA_CHECK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 static float *dev_copy(const std::vector<float> &h) {
     float *d;
     CUDA_CHECK(cudaMalloc(&d, (h.size() ? h.size() : 1) * sizeof(float)));
-    CUDA_CHECK(cudaMemcpy(d, h.data(), h.size() * sizeof(float), cudaMemcpyHostToDevice));
+    upload(d, h.data(), h.size() * sizeof(float));
     return d;
 }
 
@@ -39,7 +46,7 @@ template <typename KT> static KT *dev_copy_as(const std::vector<float> &h) {
     std::vector<KT> v(h.begin(), h.end());
     KT *d;
     CUDA_CHECK(cudaMalloc(&d, (v.size() ? v.size() : 1) * sizeof(KT)));
-    CUDA_CHECK(cudaMemcpy(d, v.data(), v.size() * sizeof(KT), cudaMemcpyHostToDevice));
+    upload(d, v.data(), v.size() * sizeof(KT));
     return d;
 }
 
@@ -278,7 +285,7 @@ static void test_norms(int hidden, int T) {
     for (auto &t : tok) t = (int)(rng() % V);
     int *dtok;
     CUDA_CHECK(cudaMalloc(&dtok, T * sizeof(int)));
-    CUDA_CHECK(cudaMemcpy(dtok, tok.data(), T * sizeof(int), cudaMemcpyHostToDevice));
+    upload(dtok, tok.data(), T * sizeof(int));
     for (int fmt : {DT_F32, DT_BF16, DT_FP8, DT_NVFP4}) {
         HostMat table = host_mat(fmt, V, cols, 1.0f);
         Mat m = view(table, 0, V, 0, cols);
@@ -325,10 +332,10 @@ static void test_mtp_in(int fe, int fw, int H, int T, int row, int dec_t) {
     g.eh = dev_copy(std::vector<float>((size_t)T * 2 * H, NAN));
     g.res = dev_copy(std::vector<float>((size_t)T * H, NAN));
     CUDA_CHECK(cudaMalloc(&g.tok, T * sizeof(int)));
-    CUDA_CHECK(cudaMemcpy(g.tok, tok.data(), T * sizeof(int), cudaMemcpyHostToDevice));
+    upload(g.tok, tok.data(), T * sizeof(int));
     int pos_row[2] = {0, row};   /* (position, x row) as step_start puts them on the device */
     CUDA_CHECK(cudaMalloc(&g.pos, sizeof pos_row));
-    CUDA_CHECK(cudaMemcpy(g.pos, pos_row, sizeof pos_row, cudaMemcpyHostToDevice));
+    upload(g.pos, pos_row, sizeof pos_row);
     Rank r;
     memset(&r, 0, sizeof r);
     r.c = &c;
@@ -558,7 +565,7 @@ static void test_keep(int heads, int hdim, int groups, int N, int T) {
         after[t] = state();
     }
     std::vector<float> y1 = host_copy(d_y, (size_t)T * di), gss1 = host_copy(d_gss, (size_t)T * nss);
-    CUDA_CHECK(cudaMemcpy(g.state, st0.data(), g.snap_bytes, cudaMemcpyHostToDevice));
+    upload(g.state, st0.data(), g.snap_bytes);
     std::vector<int> tok(T, 0);
     gpu_begin(&r, tok.data(), T, 0);
     step(0, T, 1);
@@ -664,7 +671,7 @@ template <typename KT> static void test_attention(int q, int kv, int hd, int pos
     float *d_part = dev_copy(std::vector<float>((size_t)q * splits * (hd + 2)));
     int *d_pos;
     CUDA_CHECK(cudaMalloc(&d_pos, sizeof(int)));
-    CUDA_CHECK(cudaMemcpy(d_pos, &pos, sizeof(int), cudaMemcpyHostToDevice));
+    upload(d_pos, &pos, sizeof(int));
     float scale = 1.0f / sqrtf((float)hd);
     LAUNCH(1, 256, 0, 0, kv_append_kernel<KT>, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
     AttnArgs<KT> a = {.part = d_part, .q = d_qkv, .kc = d_k, .vc = d_v, .pos = d_pos, .kw = kw, .hd = hd, .group = group,
@@ -702,7 +709,7 @@ template <typename KT> static void test_attention_tokens(int q, int kv, int hd, 
     CUDA_CHECK(cudaMalloc(&d_pos, (T + 1) * sizeof(int)));
     std::vector<int> ps(T + 1);
     for (int t = 0; t <= T; t++) ps[t] = pos + (t ? t - 1 : 0);   /* the step's first position, then each token's */
-    CUDA_CHECK(cudaMemcpy(d_pos, ps.data(), (T + 1) * sizeof(int), cudaMemcpyHostToDevice));
+    upload(d_pos, ps.data(), (T + 1) * sizeof(int));
     float scale = 1.0f / sqrtf((float)hd);
     LAUNCH(T, 256, 0, 0, kv_append_kernel<KT>, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
     AttnArgs<KT> a = {.part = d_part, .q = d_qkv, .ldq = w, .kc = d_k, .vc = d_v, .pos = d_pos, .kw = kw, .hd = hd, .group = group,
@@ -748,7 +755,7 @@ template <typename KT> static void test_prompt_attention(int q, int kv, int hd, 
     float *d_y = dev_copy(std::vector<float>((size_t)T * q * hd, NAN));
     int *d_pos;
     CUDA_CHECK(cudaMalloc(&d_pos, sizeof(int)));
-    CUDA_CHECK(cudaMemcpy(d_pos, &pos, sizeof(int), cudaMemcpyHostToDevice));
+    upload(d_pos, &pos, sizeof(int));
     float scale = 1.0f / sqrtf((float)hd);
     LAUNCH(T, 256, 0, 0, kv_append_kernel<KT>, d_k, d_v, d_qkv, w, q * hd, kw, d_pos);
     PromptAttnArgs<KT> a = {.y = d_y, .q = d_qkv, .kc = d_k, .vc = d_v, .ldy = q * hd, .ldq = w, .kw = kw, .hd = hd, .gl = gl,
@@ -928,8 +935,8 @@ static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hi
         CUDA_CHECK(cudaMemset(g.moe_ylat, 0xff, (size_t)T * lat * sizeof(float)));
     }
     CUDA_CHECK(cudaMemset(g.proj, 0xff, (size_t)T * S * sizeof(float)));
-    CUDA_CHECK(cudaMemcpy(g.moe_idx, idx.data(), idx.size() * sizeof(int), cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(g.moe_w, w.data(), w.size() * sizeof(float), cudaMemcpyHostToDevice));
+    upload(g.moe_idx, idx.data(), idx.size() * sizeof(int));
+    upload(g.moe_w, w.data(), w.size() * sizeof(float));
     float *out = dev_copy(std::vector<float>((size_t)T * hidden, NAN));
     moe_experts(&g, &L, &ms, out, T, &L.sup);   /* warms the shared up rows again: harmless, and run */
     /* float64 reference */
@@ -1361,8 +1368,8 @@ static void test_fused_norm(int hidden, int T) {
     GpuRank *g = gpu_rank(&r);
     size_t n = (size_t)T * hidden;
     std::vector<float> res = rand_vec(n, 3.0f), pend = rand_vec(n), w = host_copy(g->L[1].norm, hidden);
-    CUDA_CHECK(cudaMemcpy(g->res, res.data(), n * sizeof(float), cudaMemcpyHostToDevice));
-    CUDA_CHECK(cudaMemcpy(pend_out(&r), pend.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    upload(g->res, res.data(), n * sizeof(float));
+    upload(pend_out(&r), pend.data(), n * sizeof(float));
     cuda_backend.norm(&r, 1, NORM_FUSED, T);
     CUDA_CHECK(cudaStreamSynchronize(g->stream));
     std::vector<double> rr(n), rx(n);
@@ -1479,18 +1486,18 @@ static void test_engine(int fmt, int spec, int T) {
     expect_int("... draft 0 = the argmax of the pass's row n", d0, argmax(la, (size_t)acc * V, V));
     tiny_mtp(&r, NULL, 1, -1, -1, 1);
     std::vector<float> la1 = fin(logits(1));
-    CUDA_CHECK(cudaMemcpy(g->x, x_step.data(), x_step.size() * sizeof(float), cudaMemcpyHostToDevice));
+    upload(g->x, x_step.data(), x_step.size() * sizeof(float));
     tiny_mtp(&r, &want[1], T, 0, P, 1);
     expect_same("... the MTP pass fed no tokens after accept = fed t_0.. from the host", la, logits(T));
     tiny_mtp(&r, &d0, 1, acc, P + acc + 1, 1);
     expect_same("... the pass after draft 0, fed no tokens = fed it at position P + n + 1, row n", la1, logits(1));
-    CUDA_CHECK(cudaMemcpy(g->x, x_step.data(), x_step.size() * sizeof(float), cudaMemcpyHostToDevice));
+    upload(g->x, x_step.data(), x_step.size() * sizeof(float));
     /* the MTP block over the step's T positions from x rows 0.., and one position at a time from row t */
     tiny_mtp(&r, drafts.data(), T, 0, P, 1);
     std::vector<float> lm = fin(logits(T));
     std::vector<std::vector<float>> lm1(T);
     for (int t = 0; t < T; t++) {
-        CUDA_CHECK(cudaMemcpy(g->x, x_step.data(), x_step.size() * sizeof(float), cudaMemcpyHostToDevice));
+        upload(g->x, x_step.data(), x_step.size() * sizeof(float));
         tiny_mtp(&r, &drafts[t], 1, t, P + t, 1);
         lm1[t] = logits(1);
     }
@@ -1508,7 +1515,7 @@ static void test_engine(int fmt, int spec, int T) {
     };
     auto mtp_step = [&](int graph, int row, const int *tok) {
         r.graph = graph;
-        CUDA_CHECK(cudaMemcpy(g->x, x_step.data(), x_step.size() * sizeof(float), cudaMemcpyHostToDevice));
+        upload(g->x, x_step.data(), x_step.size() * sizeof(float));
         tiny_mtp(&r, tok, 1, row, P + T, 1);
         return fin(logits(1));
     };
