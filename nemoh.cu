@@ -307,6 +307,32 @@ __device__ __forceinline__ float e2m1_dot8(uint32_t q, const float *x) {
     return acc;
 }
 
+/* d[16x8] += a[16x16] b[16x8], bf16 operands, fp32 accumulators */
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *(uint32_t *)&v;
+}
+
+/* E2M1 codes I and I + 4 of a 32-bit word as a bf16 pair (code I in the low half): each code's sign
+ * and three bits placed as a bf16's (bit 15; exponent and mantissa at bits 6-8) make the value times
+ * 2^-126 (0.5 a bf16 subnormal, which bf16 multiplies keep). */
+template <int I> __device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
+    uint32_t m = I <= 1 ? w << (6 - 4 * I) : w >> (4 * I - 6);
+    return (m & 0x01C001C0u) | ((w << (12 - 4 * I)) & 0x80008000u);
+}
+
+/* a * b, bf16 pairs */
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+    __nv_bfloat162 r = __hmul2(*(const __nv_bfloat162 *)&a, *(const __nv_bfloat162 *)&b);
+    return *(uint32_t *)&r;
+}
+
 /* 16 bytes of a row (fmt_per(FMT) elements) dotted with the matching x, before the row's scale; s:
  * NVFP4's two E4M3 block scales of those 32 elements, the first in the low byte. x is 16-byte aligned. */
 template <int FMT> __device__ __forceinline__ float dot16(uint4 w, uint32_t s, const float *x) {
@@ -965,7 +991,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? 16 : 8) gemv_kernel
     }
 }
 
-/* The same for FP8 and NVFP4 W, out[t][i] = epi(s_i sum_k W[i][k] x[t][k]) with s_i the row's scale: a
+/* The same for FP8 W, out[t][i] = epi(s_i sum_k W[i][k] x[t][k]) with s_i the row's scale: a
  * warp takes QROWS rows (rows_dot), wpr warps the same rows (each every wpr-th piece, summed through
  * shared memory: matrices of few rows fill the GPU); their first pieces before the wait. */
 template <int FMT, int EPI, int NT>
@@ -982,7 +1008,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT
     for (int q = 0; q < QROWS; q++) {
         int r = min(row0 + q, rows - 1);
         wr[q] = (const char *)a.W.w + (size_t)r * row_bytes(FMT, a.W.ld);
-        br[q] = FMT == DT_NVFP4 ? a.W.bs + (size_t)r * (a.W.ld / 16) : NULL;
+        br[q] = NULL;
     }
     rows_load<FMT, QROWS>(v, wr, br, c, nvec);
     pdl_wait();
@@ -1005,6 +1031,119 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT
                 if (EPI == EPI_RELU2) { o = fmaxf(o, 0.0f); o *= o; }
                 a.out[(size_t)(t0 + t) * a.ldo + row0 + lane] = o;
             }
+    }
+}
+
+/* NVFP4 rows on the tensor cores (an NVFP4 product's decode, one to E2M1_TOKENS tokens a round):
+ * decoding E2M1 pairs for the mma costs fewer instructions an element than converting each code to
+ * fp32 (gemv_q_kernel's form ran NVFP4 rows at 1.1 to 1.5 TB/s, bound by that math). A block takes
+ * E2M1_ROWS rows and its warps every warps-th span of E2M1_SPAN elements of them. In a span, lane
+ * (g, t) = (lane / 4, lane % 4) holds 16 bytes (32 codes) of rows g and g + 8 at elements span + 32 t
+ * and token g's x there; mma m16n8k16 (bf16, fp32 sums) takes codes i and i + 4 of a 32-bit word as
+ * one k pair (e2m1_pair), times the block's scale times 2^112 (exact: at most 6 significant bits, at
+ * least 2^-24), with x rounded to bf16 (W4A16, as a prompt's products), so a span's sum comes out
+ * times 2^-14. Each
+ * span's sums are added, weighed by the group scale of EPI_GNORM (a group is whole spans,
+ * gnorm_folds), into the row's; column n of the mma is token n, the same sums whatever the others. */
+enum { E2M1_ROWS = 16, E2M1_SPAN = 128, E2M1_TOKENS = 8 };
+
+/* Elements of a row a decoded product of format fmt weighs by one group scale (EPI_GNORM): a 16-byte
+ * piece, an NVFP4 span. */
+static int gnorm_unit(int fmt) { return fmt == DT_NVFP4 ? E2M1_SPAN : fmt_per(fmt); }
+
+/* A lane's part of a span: 16 bytes of each of its two rows and their two block scales each. */
+struct E2m1Chunk {
+    uint4 a, b;
+    uint32_t sa, sb;
+};
+
+/* A block scale (E4M3, at most 448 = 1.75 2^8) times 2^112 as a bf16 pair (exact and finite; 2^120
+ * would overflow past 256). */
+__device__ __forceinline__ uint32_t e2m1_scale(unsigned b) {
+    float f = e4m3f(b) * 0x1p112f;
+    return pack_bf16(f, f);
+}
+
+template <int EPI, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) gemv_e2m1_kernel(const __grid_constant__ GemvArgs a) {
+    const GroupScale gs = a.gs;
+    int rows = a.W.rows, cols = a.W.cols, T = a.T, spans = cdiv(cols, E2M1_SPAN);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, r0 = blockIdx.x * E2M1_ROWS;
+    int ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1);
+    const char *wa = (const char *)a.W.w + (size_t)ra * row_bytes(DT_NVFP4, a.W.ld), *wb = (const char *)a.W.w + (size_t)rb * row_bytes(DT_NVFP4, a.W.ld);
+    const uint8_t *ba = a.W.bs + (size_t)ra * (a.W.ld / 16), *bb = a.W.bs + (size_t)rb * (a.W.ld / 16);
+    auto load = [&](int s) {   /* zeros past the row's end (whole 16-element blocks) */
+        E2m1Chunk c = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), 0, 0};
+        int e = s * E2M1_SPAN + 32 * t;
+        if (s < spans && e + 32 <= cols) {
+            c.a = ld_stream((const uint4 *)(wa + e / 2)), c.b = ld_stream((const uint4 *)(wb + e / 2));
+            c.sa = __ldg((const unsigned short *)(ba + e / 16)), c.sb = __ldg((const unsigned short *)(bb + e / 16));
+        } else if (s < spans && e + 16 <= cols) {
+            uint2 x = *(const uint2 *)(wa + e / 2), y = *(const uint2 *)(wb + e / 2);
+            c.a = make_uint4(x.x, x.y, 0, 0), c.b = make_uint4(y.x, y.y, 0, 0);
+            c.sa = ba[e / 16], c.sb = bb[e / 16];
+        }
+        return c;
+    };
+    E2m1Chunk cur = load(warp);   /* fetched while the previous kernel finishes */
+    pdl_wait();
+    __shared__ float gsum[EPI == EPI_GNORM ? E2M1_TOKENS * GNORM_PARTS : 1];
+    __shared__ float red[WARPS][32][4];
+    for (int t0 = 0; t0 < T; t0 += E2M1_TOKENS) {
+        int nt = min((int)E2M1_TOKENS, T - t0);
+        if (t0) {   /* the round before is done with gsum and red */
+            __syncthreads();
+            cur = load(warp);
+        }
+        if (EPI == EPI_GNORM) group_scales<32 * WARPS, E2M1_TOKENS>(gsum, gs, cols, t0, nt);
+        const float *x = a.x + (size_t)(t0 + min(g, nt - 1)) * a.ldx;
+        float acc[4] = {0, 0, 0, 0};   /* rows g, g, g + 8, g + 8; tokens 2 t, 2 t + 1 */
+        for (int s = warp; s < spans; s += WARPS) {
+            E2m1Chunk nxt = load(s + WARPS);
+            int e = s * E2M1_SPAN + 32 * t;
+            uint32_t xb[16] = {};   /* word m's pairs (i, i + 4) at 4 m + i */
+            if (g < nt && e + 16 <= cols)
+#pragma unroll
+                for (int m = 0; m < 4; m++) {
+                    if (m >= 2 && e + 32 > cols) break;
+                    float4 p = *(const float4 *)(x + e + 8 * m), q = *(const float4 *)(x + e + 8 * m + 4);
+                    xb[4 * m] = pack_bf16(p.x, q.x), xb[4 * m + 1] = pack_bf16(p.y, q.y);
+                    xb[4 * m + 2] = pack_bf16(p.z, q.z), xb[4 * m + 3] = pack_bf16(p.w, q.w);
+                }
+            uint32_t sa[2] = {e2m1_scale(cur.sa & 255), e2m1_scale(cur.sa >> 8)}, sb[2] = {e2m1_scale(cur.sb & 255), e2m1_scale(cur.sb >> 8)};
+            uint32_t wa4[4] = {cur.a.x, cur.a.y, cur.a.z, cur.a.w}, wb4[4] = {cur.b.x, cur.b.y, cur.b.z, cur.b.w};
+            float d[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int m = 0; m < 4; m++) {   /* a: row g k pairs 2 t, 2 t + 8, then row g + 8's */
+                uint32_t p[4] = {mul_bf16x2(e2m1_pair<0>(wa4[m]), sa[m / 2]), mul_bf16x2(e2m1_pair<0>(wb4[m]), sb[m / 2]),
+                                 mul_bf16x2(e2m1_pair<1>(wa4[m]), sa[m / 2]), mul_bf16x2(e2m1_pair<1>(wb4[m]), sb[m / 2])};
+                mma_bf16(d, p, xb[4 * m], xb[4 * m + 1]);
+                uint32_t q[4] = {mul_bf16x2(e2m1_pair<2>(wa4[m]), sa[m / 2]), mul_bf16x2(e2m1_pair<2>(wb4[m]), sb[m / 2]),
+                                 mul_bf16x2(e2m1_pair<3>(wa4[m]), sa[m / 2]), mul_bf16x2(e2m1_pair<3>(wb4[m]), sb[m / 2])};
+                mma_bf16(d, q, xb[4 * m + 2], xb[4 * m + 3]);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                int n = 2 * t + (j & 1);
+                float sc = EPI == EPI_GNORM && n < nt ? gsum[n * GNORM_PARTS + s * E2M1_SPAN / gs.gsize * gs.parts] : 1.0f;
+                acc[j] += sc * d[j];
+            }
+            cur = nxt;
+        }
+        if (t0 + E2M1_TOKENS >= T && (int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
+        if (WARPS > 1) {   /* the first warp adds the others' sums, in order */
+            for (int j = 0; j < 4; j++) red[warp][lane][j] = acc[j];
+            __syncthreads();
+            for (int w = 1; w < WARPS && !warp; w++)
+                for (int j = 0; j < 4; j++) acc[j] += red[w][lane][j];
+        }
+        for (int j = 0; j < 4 && !warp; j++) {
+            int n = 2 * t + (j & 1), row = r0 + g + (j >> 1) * 8;
+            if (n >= nt || row >= rows) continue;
+            float o = acc[j] * 16384.0f * a.W.rs[row];
+            if (EPI == EPI_RELU2) { o = fmaxf(o, 0.0f); o *= o; }
+            a.out[(size_t)(t0 + n) * a.ldo + row] = o;
+        }
     }
 }
 
@@ -1722,18 +1861,6 @@ template <typename KT> struct PromptAttnArgs {
     int gl, T, pos;             /* query heads a kv head; the chunk's tokens and first position */
     float scale;                /* 1 / sqrt(head_dim) */
 };
-
-/* d[16x8] += a[16x16] b[16x8], bf16 operands, fp32 accumulators */
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *(uint32_t *)&v;
-}
 
 /* Eight elements src[0 .. 7] as bf16, those at n and beyond zero; vec: all eight present and src
  * 16-byte aligned, one or two vector loads. */
@@ -3102,18 +3229,25 @@ static void gemm(GpuRank *g, float *out, int ldo, const void *act, int lda, int 
 
 /* The one-token product's kernel for a format and an epilogue, NT tokens a round. */
 template <int FMT, int NT> static void (*gemv_for(int epi))(const GemvArgs) {
-    if constexpr (FMT == DT_FP8 || FMT == DT_NVFP4)
+    if constexpr (FMT == DT_FP8)
         return epi == EPI_RELU2 ? gemv_q_kernel<FMT, EPI_RELU2, NT> : epi == EPI_GNORM ? gemv_q_kernel<FMT, EPI_GNORM, NT>
                                                                                      : gemv_q_kernel<FMT, EPI_NONE, NT>;
     else return epi == EPI_RELU2 ? gemv_kernel<FMT, EPI_RELU2, NT> : epi == EPI_GNORM ? gemv_kernel<FMT, EPI_GNORM, NT> : gemv_kernel<FMT, EPI_NONE, NT>;
 }
 /* ... for one token, or (several) for a few. */
 template <int NT> static void (*gemv_for(int fmt, int epi))(const GemvArgs) {
-    return fmt == DT_F32 ? gemv_for<DT_F32, NT>(epi) : fmt == DT_BF16 ? gemv_for<DT_BF16, NT>(epi) : fmt == DT_FP8 ? gemv_for<DT_FP8, NT>(epi)
-                                                                                                                : gemv_for<DT_NVFP4, NT>(epi);
+    return fmt == DT_F32 ? gemv_for<DT_F32, NT>(epi) : fmt == DT_BF16 ? gemv_for<DT_BF16, NT>(epi) : gemv_for<DT_FP8, NT>(epi);
 }
 static void (*gemv_for(int fmt, int epi, int several))(const GemvArgs) {
     return several ? gemv_for<GEMV_TOKENS>(fmt, epi) : gemv_for<1>(fmt, epi);
+}
+
+/* Warps of an NVFP4 product's block (gemv_e2m1_kernel): 8, or 4 for rows of fewer than 32 spans
+ * (on H100: 18560 x 4096 24.4 us at 8, 26.9 at 4; 10304 x 2688 12.9 at 8, 10.6 at 4). */
+static int e2m1_warps(const GMat *W) { return cdiv(W->cols, E2M1_SPAN) >= 32 ? 8 : 4; }
+static void (*e2m1_for(int epi, int warps))(const GemvArgs) {
+    if (warps == 8) return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 8> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 8> : gemv_e2m1_kernel<EPI_NONE, 8>;
+    return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 4> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 4> : gemv_e2m1_kernel<EPI_NONE, 4>;
 }
 
 /* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2, or in a
@@ -3123,11 +3257,13 @@ static void (*gemv_for(int fmt, int epi, int several))(const GemvArgs) {
 static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi, const GMat *next,
                    const GroupScale *gs) {
     if (decoded(g, T) && (T == 1 || ldx % 4 == 0)) {   /* each token's x row 16-byte aligned, as the kernel reads it */
-        int wpr = gemv_wpr(g, W), slots, blocks = gemv_blocks(g, W->rows, quantized(W->fmt), wpr, &slots);
+        int e2m1 = W->fmt == DT_NVFP4, warps = e2m1 ? e2m1_warps(W) : GEMV_WARPS, wpr = e2m1 ? 1 : gemv_wpr(g, W), slots;
+        int blocks = e2m1 ? cdiv(W->rows, E2M1_ROWS) : gemv_blocks(g, W->rows, quantized(W->fmt), wpr, &slots);
+        if (e2m1) slots = g->gemv_slots / 2 * GEMV_WARPS / warps;   /* as many warps an SM as the quantized kernels */
         GemvArgs a = {.out = out, .W = *W, .x = x, .T = T, .ldx = ldx, .ldo = ldo, .wpr = wpr, .warm = next ? next->w : NULL,
                       .warm_n = warm_bytes(next), .warm_from = blocks > slots ? blocks - slots : 0,
                       .gs = gs ? *gs : GroupScale{NULL, 0, 1, 0.0f, 0}};
-        LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, gemv_for(W->fmt, epi, T > 1), a);
+        LAUNCH(blocks, 32 * warps, 0, g->stream, e2m1 ? e2m1_for(epi, warps) : gemv_for(W->fmt, epi, T > 1), a);
         return;
     }
     int lda;
@@ -3315,7 +3451,7 @@ static void gpu_mamba(Rank *r, int l, int T, int pos) {
     if (T > CONV_STEPS) {
         LAUNCH(cdiv(cv, 128), 128, 0, g->stream, conv_state_kernel, L->conv_st, g->proj + di, in, T, cv);
     }
-    int gsize = di / s->groups, dec = decoded(g, T), fold = gnorm_folds(dec, s->m_heads, c->m_hdim, N, gsize, fmt_per(L->out.fmt));
+    int gsize = di / s->groups, dec = decoded(g, T), fold = gnorm_folds(dec, s->m_heads, c->m_hdim, N, gsize, gnorm_unit(L->out.fmt));
     ScanArgs sa = {.y = g->y, .ssm = L->ssm, .xbc = g->xbc, .proj = g->proj, .ld_proj = in, .dt_off = di + cv, .A = L->A, .D = L->D,
                    .dt_bias = L->dt_bias, .T = T, .heads = s->m_heads, .hdim = c->m_hdim, .groups = s->groups, .d_inner = di,
                    .chunk = 0, .warm = L->out.w, .warm_n = dec ? warm_bytes(&L->out) : 0, .gw = fold ? L->gnorm : NULL,

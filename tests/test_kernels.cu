@@ -125,7 +125,8 @@ static HostMat host_mat(int fmt, int rows, int ld, float sd) {
     }
     if (fmt == DT_NVFP4) {
         for (size_t i = 0; i < h.b.size() / 2; i++) h.b[i] = (uint8_t)(rng() & 0xFF);
-        for (auto &s : h.bs) s = (uint8_t)(0x20 + rng() % 0x31);   /* e4m3 2^-3 .. 2^3 */
+        for (auto &s : h.bs)   /* e4m3 2^-3 .. 2^3, an eighth of them 256 .. 448 (the top of the range) */
+            s = (uint8_t)(rng() % 8 ? 0x20 + rng() % 0x31 : 0x78 + rng() % 7);
     }
     if (fmt == DT_FP8) h.scale = sd / 60.0f;      /* random codes reach 448 */
     if (fmt == DT_NVFP4) h.scale = sd / 6.0f;
@@ -178,6 +179,7 @@ static void test_matmul(int fmt, int rows, int cols, int T, int epi) {
             for (int k = 0; k < cols; k++) {
                 float xv = x[(size_t)t * cols + k], wv = mat_at(&parts[i >= r1], (size_t)(i - (i >= r1) * r1), (size_t)k);
                 if (fmt != DT_F32 && T > 1) { xv = bf16_round(xv); wv = bf16_round(wv); }  /* cuBLAS path: bf16 operands */
+                else if (fmt == DT_NVFP4) xv = bf16_round(xv);   /* the tensor-core decode: x in bf16 */
                 s += (double)wv * xv;
                 a += fabs((double)wv * xv);
             }
@@ -234,7 +236,8 @@ static void test_gemv_tokens(int fmt, int rows, int cols, int T, int epi, int gr
                     for (int j = 0; j < parts; j++) sum += ss[((size_t)t * groups + k / gsize) * parts + j];
                     sc = 1 / sqrt(sum / gsize + 1e-5);
                 }
-                acc += (double)h.v[(size_t)i * cols + k] * x[(size_t)t * ldx + k] * sc;
+                float xv = x[(size_t)t * ldx + k];
+                acc += (double)h.v[(size_t)i * cols + k] * (fmt == DT_NVFP4 ? bf16_round(xv) : xv) * sc;   /* NVFP4: x in bf16 */
             }
             if (epi == EPI_RELU2) acc = acc > 0 ? acc * acc : 0;
             ref.push_back(acc);
@@ -428,7 +431,7 @@ static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> 
     GpuRank gr = make_rank(1);
     float *d_gss = dev_copy(std::vector<float>((size_t)heads * scan_blocks(hdim, N))), *d_out = dev_copy(std::vector<float>(rows));
     for (int T : steps) {
-        int fold = gnorm_folds(T == 1, heads, hdim, N, gs, fmt_per(fmt));
+        int fold = gnorm_folds(T == 1, heads, hdim, N, gs, gnorm_unit(fmt));
         std::vector<float> proj = rand_vec((size_t)T * in);
         float *d_proj = dev_copy(proj), *d_xbc = dev_copy(std::vector<float>((size_t)T * cv)), *d_y = dev_copy(std::vector<float>((size_t)T * di));
         LAUNCH(dim3(cdiv(cv, 128), cdiv(T, CONV_STEPS)), 128, 0, 0, conv_kernel, d_xbc, d_proj + di, in, d_cst, d_cw, d_cb, T, cv,
@@ -477,6 +480,9 @@ static void test_mamba(int heads, int hdim, int groups, int N, std::vector<int> 
                     if (fold) yg[k] = u[k] * gw[g * gs + i];
                 }
                 for (int i = 0; i < gs; i++) u[(size_t)t * di + g * gs + i] *= gw[g * gs + i] / sqrt(ss / gs + 1e-5);
+                /* NVFP4's tensor-core decode rounds its input, the scan's u * gw, to bf16 before the group's scale */
+                for (int i = 0; fold && fmt == DT_NVFP4 && i < gs; i++)
+                    u[(size_t)t * di + g * gs + i] = bf16_round(y_scan[(size_t)t * di + g * gs + i]) / sqrt(ss / gs + 1e-5);
             }
         std::vector<double> st_ref(ssm.begin(), ssm.end()), cst_ref(conv_st.begin(), conv_st.end());
         char what[128];
@@ -946,7 +952,9 @@ static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hi
         for (int i = 0; i < hidden; i++) xi[i] = bf16r(x[(size_t)t * hidden + i], rb);
         for (int j = 0; j < d; j++) {
             double a = 0;
-            if (lat) for (int i = 0; i < hidden; i++) a += (double)li.v[(size_t)j * hidden + i] * xi[i]; else a = x[(size_t)t * hidden + j];
+            /* fc1's input: bf16 in a prompt, and in NVFP4's tensor-core decode */
+            if (lat) for (int i = 0; i < hidden; i++) a += (double)li.v[(size_t)j * hidden + i] * bf16r(x[(size_t)t * hidden + i], rb || fs == DT_NVFP4);
+            else a = x[(size_t)t * hidden + j];
             z[j] = bf16r(a, rb);
         }
         for (int k = 0; k < K; k++) {
@@ -1659,7 +1667,7 @@ static void time_sample(int V, int peaked) {
 }
 
 /* Not a check: the bandwidth the one-token product reaches at a model's shape: as matmul launches it,
- * and with 1 and 2 warps a row. */
+ * and with 1 and 2 warps a row (NVFP4: 4 and 8 warps a block of E2M1_ROWS rows). */
 static void time_gemv(int rows, int cols, int fmt = DT_BF16) {
     Mat m = {NULL, fmt, rows, cols, (size_t)cols, NULL, 0, 1e-3f};
     GMat W = upload_mat(&m, 1);
@@ -1667,13 +1675,15 @@ static void time_gemv(int rows, int cols, int fmt = DT_BF16) {
     float *dx = dev_copy(rand_vec(cols)), *dout = dev_copy(std::vector<float>(rows));
     float us = time_us(g.stream, 50, [&] { matmul(&g, dout, rows, dx, cols, 1, &W, 0, nullptr, nullptr); });
     double bytes = (double)rows * cols * 16 / fmt_per(fmt) + (fmt == DT_NVFP4 ? rows * cols / 16.0 : 0);
-    printf("# gemv %s %dx%d: %.1f us (%d warps a row), %.0f GB/s of weights; at 1, 2:", fmt_name(fmt), rows, cols, us, gemv_wpr(&g, &W),
-           bytes / (us * 1e3));
-    for (int wpr = 1; wpr <= (fmt == DT_BF16 || quantized(fmt) ? GEMV_WARPS : 0); wpr *= 2)
+    int e2m1 = fmt == DT_NVFP4;
+    printf("# gemv %s %dx%d: %.1f us (%d warps a %s), %.0f GB/s of weights; at %s:", fmt_name(fmt), rows, cols, us,
+           e2m1 ? e2m1_warps(&W) : gemv_wpr(&g, &W), e2m1 ? "block" : "row", bytes / (us * 1e3), e2m1 ? "4, 8" : "1, 2");
+    for (int w = 1; w <= (fmt == DT_F32 ? 0 : 2); w++)
         printf(" %.1f", time_us(g.stream, 50, [&] {
-            GemvArgs a = {.out = dout, .W = W, .x = dx, .wpr = wpr, .warm = nullptr, .warm_n = 0, .warm_from = 0, .gs = GroupScale{}};
-            int slots;
-            LAUNCH(gemv_blocks(&g, rows, quantized(fmt), wpr, &slots), 32 * GEMV_WARPS, 0, g.stream, gemv_for(fmt, EPI_NONE, 0), a);
+            int wpr = e2m1 ? 1 : w, warps = e2m1 ? 4 * w : GEMV_WARPS, slots;
+            GemvArgs a = {.out = dout, .W = W, .x = dx, .T = 1, .wpr = wpr, .warm = nullptr, .warm_n = 0, .warm_from = 0, .gs = GroupScale{}};
+            int blocks = e2m1 ? cdiv(rows, E2M1_ROWS) : gemv_blocks(&g, rows, quantized(fmt), wpr, &slots);
+            LAUNCH(blocks, 32 * warps, 0, g.stream, e2m1 ? e2m1_for(EPI_NONE, warps) : gemv_for(fmt, EPI_NONE, 0), a);
         }));
     printf(" us\n");
     free_mat(&W);
@@ -1781,7 +1791,7 @@ int main(int argc, char **argv) {
         test_gemv_tokens(fmt, 37, k(16395), 3, EPI_NONE);    /* two warps a row (bf16) */
         test_gemv_tokens(fmt, 77, k(515), 9, EPI_RELU2);
         test_gemv_tokens(fmt, 9001, k(304), 7, EPI_NONE);     /* more rows than a wave of blocks holds */
-        test_gemv_tokens(fmt, 37, 256, 6, EPI_GNORM, 4);      /* out_proj with the gated norm folded: groups of 64 */
+        test_gemv_tokens(fmt, 37, 256, 6, EPI_GNORM, fmt == DT_NVFP4 ? 2 : 4);   /* out_proj with the gated norm folded: groups of 64 (NVFP4: whole spans, 128) */
         test_gemv_tokens(fmt, 1000, 2048, 9, EPI_GNORM, 8);
     }
     test_matmul(DT_FP8, 40000, 900, 3, 0);    /* more rows than deq holds at once: a prompt's product in two passes */
