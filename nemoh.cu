@@ -1042,14 +1042,21 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT
  * and token g's x there; mma m16n8k16 (bf16, fp32 sums) takes codes i and i + 4 of a 32-bit word as
  * one k pair (e2m1_pair), times the block's scale times 2^112 (exact: at most 6 significant bits, at
  * least 2^-24), with x rounded to bf16 (W4A16, as a prompt's products), so a span's sum comes out
- * times 2^-14. Each
- * span's sums are added, weighed by the group scale of EPI_GNORM (a group is whole spans,
- * gnorm_folds), into the row's; column n of the mma is token n, the same sums whatever the others. */
+ * times 2^-14. Each span's sums are added, weighed by the group scale of EPI_GNORM (a group is whole
+ * spans, gnorm_folds), into the row's; column n of the mma is token n, the same sums whatever the
+ * others. */
 enum { E2M1_ROWS = 16, E2M1_SPAN = 128, E2M1_TOKENS = 8 };
 
 /* Elements of a row a decoded product of format fmt weighs by one group scale (EPI_GNORM): a 16-byte
  * piece, an NVFP4 span. */
 static int gnorm_unit(int fmt) { return fmt == DT_NVFP4 ? E2M1_SPAN : fmt_per(fmt); }
+
+/* A block scale (E4M3, at most 448 = 1.75 2^8) times 2^112 as a bf16 pair (exact and finite; 2^120
+ * would overflow past 256). */
+__device__ __forceinline__ uint32_t e2m1_scale(unsigned b) {
+    float f = e4m3f(b) * 0x1p112f;
+    return pack_bf16(f, f);
+}
 
 /* A lane's part of a span: 16 bytes of each of its two rows and their two block scales each. */
 struct E2m1Chunk {
@@ -1057,11 +1064,56 @@ struct E2m1Chunk {
     uint32_t sa, sb;
 };
 
-/* A block scale (E4M3, at most 448 = 1.75 2^8) times 2^112 as a bf16 pair (exact and finite; 2^120
- * would overflow past 256). */
-__device__ __forceinline__ uint32_t e2m1_scale(unsigned b) {
-    float f = e4m3f(b) * 0x1p112f;
-    return pack_bf16(f, f);
+/* Lane t's part of rows a and b (bytes wa, wb; block scales ba, bb) at element e = a span's start +
+ * 32 t: zeros past the row's cols (whole 16-element blocks). */
+__device__ __forceinline__ E2m1Chunk e2m1_load(const char *wa, const char *wb, const uint8_t *ba, const uint8_t *bb, int e, int cols) {
+    E2m1Chunk c = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), 0, 0};
+    if (e + 32 <= cols) {
+        c.a = ld_stream((const uint4 *)(wa + e / 2)), c.b = ld_stream((const uint4 *)(wb + e / 2));
+        c.sa = __ldg((const unsigned short *)(ba + e / 16)), c.sb = __ldg((const unsigned short *)(bb + e / 16));
+    } else if (e + 16 <= cols) {
+        uint2 x = *(const uint2 *)(wa + e / 2), y = *(const uint2 *)(wb + e / 2);
+        c.a = make_uint4(x.x, x.y, 0, 0), c.b = make_uint4(y.x, y.y, 0, 0);
+        c.sa = ba[e / 16], c.sb = bb[e / 16];
+    }
+    return c;
+}
+
+/* x[e .. e + 31] as the mma's bf16 k pairs: word m's pairs (i, i + 4) at 4 m + i; zeros past cols. */
+__device__ __forceinline__ void e2m1_x(uint32_t (&xb)[16], const float *x, int e, int cols) {
+    if (e + 16 > cols) return;
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        if (m >= 2 && e + 32 > cols) break;
+        float4 p = *(const float4 *)(x + e + 8 * m), q = *(const float4 *)(x + e + 8 * m + 4);
+        xb[4 * m] = pack_bf16(p.x, q.x), xb[4 * m + 1] = pack_bf16(p.y, q.y);
+        xb[4 * m + 2] = pack_bf16(p.z, q.z), xb[4 * m + 3] = pack_bf16(p.w, q.w);
+    }
+}
+
+/* d += a span's 16 rows (each lane's chunk: rows g and g + 8) times its x (xb, column n = token n),
+ * times 2^-14 (see gemv_e2m1_kernel). */
+__device__ __forceinline__ void e2m1_mma(float (&d)[4], const E2m1Chunk &c, const uint32_t (&xb)[16]) {
+    uint32_t sa[2] = {e2m1_scale(c.sa & 255), e2m1_scale(c.sa >> 8)}, sb[2] = {e2m1_scale(c.sb & 255), e2m1_scale(c.sb >> 8)};
+    uint32_t wa4[4] = {c.a.x, c.a.y, c.a.z, c.a.w}, wb4[4] = {c.b.x, c.b.y, c.b.z, c.b.w};
+#pragma unroll
+    for (int m = 0; m < 4; m++) {   /* a: row g k pairs 2 t, 2 t + 8, then row g + 8's */
+        uint32_t p[4] = {mul_bf16x2(e2m1_pair<0>(wa4[m]), sa[m / 2]), mul_bf16x2(e2m1_pair<0>(wb4[m]), sb[m / 2]),
+                         mul_bf16x2(e2m1_pair<1>(wa4[m]), sa[m / 2]), mul_bf16x2(e2m1_pair<1>(wb4[m]), sb[m / 2])};
+        mma_bf16(d, p, xb[4 * m], xb[4 * m + 1]);
+        uint32_t q[4] = {mul_bf16x2(e2m1_pair<2>(wa4[m]), sa[m / 2]), mul_bf16x2(e2m1_pair<2>(wb4[m]), sb[m / 2]),
+                         mul_bf16x2(e2m1_pair<3>(wa4[m]), sa[m / 2]), mul_bf16x2(e2m1_pair<3>(wb4[m]), sb[m / 2])};
+        mma_bf16(d, q, xb[4 * m + 2], xb[4 * m + 3]);
+    }
+}
+
+/* The warps' sums of a block into warp 0's acc, in warp order. */
+template <int WARPS> __device__ __forceinline__ void e2m1_warps_sum(float (&acc)[4], float (&red)[WARPS][32][4], int warp, int lane) {
+    if (WARPS == 1) return;
+    for (int j = 0; j < 4; j++) red[warp][lane][j] = acc[j];
+    __syncthreads();
+    for (int w = 1; w < WARPS && !warp; w++)
+        for (int j = 0; j < 4; j++) acc[j] += red[w][lane][j];
 }
 
 template <int EPI, int WARPS>
@@ -1072,19 +1124,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) gemv_e2m1_kernel(const
     int ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1);
     const char *wa = (const char *)a.W.w + (size_t)ra * row_bytes(DT_NVFP4, a.W.ld), *wb = (const char *)a.W.w + (size_t)rb * row_bytes(DT_NVFP4, a.W.ld);
     const uint8_t *ba = a.W.bs + (size_t)ra * (a.W.ld / 16), *bb = a.W.bs + (size_t)rb * (a.W.ld / 16);
-    auto load = [&](int s) {   /* zeros past the row's end (whole 16-element blocks) */
-        E2m1Chunk c = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), 0, 0};
-        int e = s * E2M1_SPAN + 32 * t;
-        if (s < spans && e + 32 <= cols) {
-            c.a = ld_stream((const uint4 *)(wa + e / 2)), c.b = ld_stream((const uint4 *)(wb + e / 2));
-            c.sa = __ldg((const unsigned short *)(ba + e / 16)), c.sb = __ldg((const unsigned short *)(bb + e / 16));
-        } else if (s < spans && e + 16 <= cols) {
-            uint2 x = *(const uint2 *)(wa + e / 2), y = *(const uint2 *)(wb + e / 2);
-            c.a = make_uint4(x.x, x.y, 0, 0), c.b = make_uint4(y.x, y.y, 0, 0);
-            c.sa = ba[e / 16], c.sb = bb[e / 16];
-        }
-        return c;
-    };
+    auto load = [&](int s) { return s < spans ? e2m1_load(wa, wb, ba, bb, s * E2M1_SPAN + 32 * t, cols) : E2m1Chunk{}; };
     E2m1Chunk cur = load(warp);   /* fetched while the previous kernel finishes */
     pdl_wait();
     __shared__ float gsum[EPI == EPI_GNORM ? E2M1_TOKENS * GNORM_PARTS : 1];
@@ -1100,28 +1140,10 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) gemv_e2m1_kernel(const
         float acc[4] = {0, 0, 0, 0};   /* rows g, g, g + 8, g + 8; tokens 2 t, 2 t + 1 */
         for (int s = warp; s < spans; s += WARPS) {
             E2m1Chunk nxt = load(s + WARPS);
-            int e = s * E2M1_SPAN + 32 * t;
-            uint32_t xb[16] = {};   /* word m's pairs (i, i + 4) at 4 m + i */
-            if (g < nt && e + 16 <= cols)
-#pragma unroll
-                for (int m = 0; m < 4; m++) {
-                    if (m >= 2 && e + 32 > cols) break;
-                    float4 p = *(const float4 *)(x + e + 8 * m), q = *(const float4 *)(x + e + 8 * m + 4);
-                    xb[4 * m] = pack_bf16(p.x, q.x), xb[4 * m + 1] = pack_bf16(p.y, q.y);
-                    xb[4 * m + 2] = pack_bf16(p.z, q.z), xb[4 * m + 3] = pack_bf16(p.w, q.w);
-                }
-            uint32_t sa[2] = {e2m1_scale(cur.sa & 255), e2m1_scale(cur.sa >> 8)}, sb[2] = {e2m1_scale(cur.sb & 255), e2m1_scale(cur.sb >> 8)};
-            uint32_t wa4[4] = {cur.a.x, cur.a.y, cur.a.z, cur.a.w}, wb4[4] = {cur.b.x, cur.b.y, cur.b.z, cur.b.w};
+            uint32_t xb[16] = {};
+            if (g < nt) e2m1_x(xb, x, s * E2M1_SPAN + 32 * t, cols);
             float d[4] = {0, 0, 0, 0};
-#pragma unroll
-            for (int m = 0; m < 4; m++) {   /* a: row g k pairs 2 t, 2 t + 8, then row g + 8's */
-                uint32_t p[4] = {mul_bf16x2(e2m1_pair<0>(wa4[m]), sa[m / 2]), mul_bf16x2(e2m1_pair<0>(wb4[m]), sb[m / 2]),
-                                 mul_bf16x2(e2m1_pair<1>(wa4[m]), sa[m / 2]), mul_bf16x2(e2m1_pair<1>(wb4[m]), sb[m / 2])};
-                mma_bf16(d, p, xb[4 * m], xb[4 * m + 1]);
-                uint32_t q[4] = {mul_bf16x2(e2m1_pair<2>(wa4[m]), sa[m / 2]), mul_bf16x2(e2m1_pair<2>(wb4[m]), sb[m / 2]),
-                                 mul_bf16x2(e2m1_pair<3>(wa4[m]), sa[m / 2]), mul_bf16x2(e2m1_pair<3>(wb4[m]), sb[m / 2])};
-                mma_bf16(d, q, xb[4 * m + 2], xb[4 * m + 3]);
-            }
+            e2m1_mma(d, cur, xb);
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 int n = 2 * t + (j & 1);
@@ -1131,12 +1153,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) gemv_e2m1_kernel(const
             cur = nxt;
         }
         if (t0 + E2M1_TOKENS >= T && (int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
-        if (WARPS > 1) {   /* the first warp adds the others' sums, in order */
-            for (int j = 0; j < 4; j++) red[warp][lane][j] = acc[j];
-            __syncthreads();
-            for (int w = 1; w < WARPS && !warp; w++)
-                for (int j = 0; j < 4; j++) acc[j] += red[w][lane][j];
-        }
+        e2m1_warps_sum<WARPS>(acc, red, warp, lane);
         for (int j = 0; j < 4 && !warp; j++) {
             int n = 2 * t + (j & 1), row = r0 + g + (j >> 1) * 8;
             if (n >= nt || row >= rows) continue;
@@ -2618,6 +2635,137 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
     }
 }
 
+/* A decoded step's NVFP4 expert products on the tensor cores, in gemv_e2m1_kernel's spans, each
+ * token's sums the same however many tokens the step has. Up: block b is a tile of E2M1_ROWS rows of
+ * one matrix, the shared expert's (the first cdiv(S, 16) tiles: every token, E2M1_TOKENS a round, a
+ * token a column) or the expert in token t's slot j (cdiv(m, 16) tiles for each (t, j): column 0), as
+ * moe_up_kernel's virtual rows: h[t][K mp + r] = relu(sup[r] . x_t)^2, h[t][j mp + i] = wt[t][j]
+ * relu(up[i] . z_t)^2. The shared tiles fetch their first span before the wait; the routed ones learn
+ * their expert after it (the router may be the kernel just before). */
+template <int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_up_e2m1_kernel(float *h, const int *idx, const float *wt,
+                                                                             const __grid_constant__ MoeUp u) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    int ts = cdiv(u.S, E2M1_ROWS), tm = cdiv(u.m, E2M1_ROWS), b = blockIdx.x, shared = b < ts, p = shared ? 0 : (b - ts) / tm;
+    int tok = p / u.K, j = p % u.K, n = shared ? u.S : u.m, i0 = (shared ? b : b - ts - p * tm) * E2M1_ROWS;
+    const MoeIn &in = shared ? u.shared : u.routed;
+    int cols = in.W.cols, spans = cdiv(cols, E2M1_SPAN), ra = min(i0 + g, n - 1), rb = min(i0 + g + 8, n - 1);
+    const char *wa, *wb;
+    const uint8_t *ba, *bb;
+    auto at = [&](size_t base) {   /* rows base + ra, base + rb of the stacked matrix */
+        wa = (const char *)in.W.w + (base + ra) * row_bytes(DT_NVFP4, in.W.ld), wb = (const char *)in.W.w + (base + rb) * row_bytes(DT_NVFP4, in.W.ld);
+        ba = in.W.bs + (base + ra) * (in.W.ld / 16), bb = in.W.bs + (base + rb) * (in.W.ld / 16);
+    };
+    auto load = [&](int s) { return s < spans ? e2m1_load(wa, wb, ba, bb, s * E2M1_SPAN + 32 * t, cols) : E2m1Chunk{}; };
+    E2m1Chunk cur = {};
+    if (shared) {
+        at(0);
+        cur = load(warp);
+    }
+    pdl_wait();
+    size_t base = shared ? 0 : (size_t)idx[p] * u.m;
+    if (!shared) {
+        at(base);
+        cur = load(warp);
+    }
+    float w = shared ? 1.0f : wt[p];
+    __shared__ float red[WARPS][32][4];
+    for (int t0 = 0; t0 < (shared ? u.T : 1); t0 += E2M1_TOKENS) {
+        int nt = shared ? min((int)E2M1_TOKENS, u.T - t0) : 1;
+        if (t0) {   /* the round before is done with red */
+            __syncthreads();
+            cur = load(warp);
+        }
+        const float *x = in.x + (size_t)(shared ? t0 + min(g, nt - 1) : tok) * in.ldx;
+        float acc[4] = {0, 0, 0, 0};   /* rows g, g, g + 8, g + 8; columns 2 t, 2 t + 1 */
+        for (int s = warp; s < spans; s += WARPS) {
+            E2m1Chunk nxt = load(s + WARPS);
+            uint32_t xb[16] = {};
+            if (g < nt) e2m1_x(xb, x, s * E2M1_SPAN + 32 * t, cols);
+            e2m1_mma(acc, cur, xb);
+            cur = nxt;
+        }
+        e2m1_warps_sum<WARPS>(acc, red, warp, lane);
+        for (int q = 0; q < 4 && !warp; q++) {
+            int c = 2 * t + (q & 1), i = i0 + g + (q >> 1) * 8;
+            if (c >= nt || i >= n) continue;
+            float v = fmaxf(acc[q] * 16384.0f * in.W.rs[base + i], 0.0f);
+            h[(size_t)(shared ? t0 + c : tok) * u.ldh + (shared ? u.K * pad8(u.m) : j * pad8(u.m)) + i] = w * v * v;
+        }
+    }
+}
+
+/* Down: block b is output rows 16 b .. 16 b + 15, token by token (column 0); its warps take every
+ * WARPS-th span of a token's segments side by side (each segment's spans from its start: seg[j] is
+ * segment j's first), each span's sums weighed by its rows' scale. Segments may end within a span.
+ * Token 0's rows are known before the wait (the router ran two kernels back). Blocks from warm_from
+ * on warm L2 for the next product. */
+template <int WARPS>
+__global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_down_e2m1_kernel(float *out, int rows, const int *idx,
+                                                                               const __grid_constant__ MoeDown md, const void *warm,
+                                                                               size_t warm_n, int warm_from) {
+    __shared__ int seg[MOE_SEGS + 1];
+    int n = md.k + md.nfixed;
+    if (threadIdx.x == 0) {
+        seg[0] = 0;
+        for (int j = 0; j < n; j++) seg[j + 1] = seg[j] + cdiv(j < md.k ? md.routed.W.cols : md.fixed[j - md.k].W.cols, E2M1_SPAN);
+    }
+    __syncthreads();
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, r0 = blockIdx.x * E2M1_ROWS;
+    int ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1), spans = seg[n], tk = 0;
+    struct View {   /* token tk's segment as this lane sees it */
+        const char *wa, *wb;
+        const uint8_t *ba, *bb;
+        const float *x;
+        float sa, sb;   /* the rows' scales */
+        int cols;
+    };
+    auto view = [&](int j) {
+        const MoeIn &in = j < md.k ? md.routed : md.fixed[j - md.k];
+        size_t base = j < md.k ? (size_t)idx[tk * md.k + j] * md.erows : 0, a = base + ra, b = base + rb;
+        return View{(const char *)in.W.w + a * row_bytes(DT_NVFP4, in.W.ld), (const char *)in.W.w + b * row_bytes(DT_NVFP4, in.W.ld),
+                    in.W.bs + a * (in.W.ld / 16), in.W.bs + b * (in.W.ld / 16),
+                    in.x + (size_t)tk * in.ldx + (j < md.k ? (size_t)j * md.xstep : 0), in.W.rs[a], in.W.rs[b], in.W.cols};
+    };
+    int lj = 0, cj = 0;   /* the segments of the span loaded next and of the span dotted */
+    View lv = view(0), cv = lv;
+    auto load = [&](int s) {
+        if (s >= spans) return E2m1Chunk{};
+        if (s >= seg[lj + 1]) {
+            while (s >= seg[lj + 1]) lj++;
+            lv = view(lj);
+        }
+        return e2m1_load(lv.wa, lv.wb, lv.ba, lv.bb, (s - seg[lj]) * E2M1_SPAN + 32 * t, lv.cols);
+    };
+    E2m1Chunk cur = load(warp);
+    pdl_wait();
+    __shared__ float red[WARPS][32][4];
+    for (; tk < md.T; tk++) {
+        if (tk) {   /* the token before is done with red */
+            __syncthreads();
+            lj = cj = 0, lv = cv = view(0), cur = load(warp);
+        }
+        float acc[4] = {0, 0, 0, 0};
+        for (int s = warp; s < spans; s += WARPS) {
+            E2m1Chunk nxt = load(s + WARPS);
+            if (s >= seg[cj + 1]) {
+                while (s >= seg[cj + 1]) cj++;
+                cv = view(cj);
+            }
+            uint32_t xb[16] = {};
+            if (g == 0) e2m1_x(xb, cv.x, (s - seg[cj]) * E2M1_SPAN + 32 * t, cv.cols);
+            float d[4] = {0, 0, 0, 0};
+            e2m1_mma(d, cur, xb);
+            acc[0] += d[0] * cv.sa, acc[2] += d[2] * cv.sb;
+            cur = nxt;
+        }
+        if (tk == md.T - 1 && (int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
+        e2m1_warps_sum<WARPS>(acc, red, warp, lane);
+        for (int k = 0; k < 2 && !warp && t == 0; k++)
+            if (r0 + g + 8 * k < rows) out[(size_t)tk * md.ldo + r0 + g + 8 * k] = acc[2 * k] * 16384.0f;
+    }
+}
+
 /* Rows of a row tile of the grouped expert products (moe_gemm_kernel): a tile holds one expert's rows. */
 enum { MG_BM = 128 };
 
@@ -3242,9 +3390,9 @@ static void (*gemv_for(int fmt, int epi, int several))(const GemvArgs) {
     return several ? gemv_for<GEMV_TOKENS>(fmt, epi) : gemv_for<1>(fmt, epi);
 }
 
-/* Warps of an NVFP4 product's block (gemv_e2m1_kernel): 8, or 4 for rows of fewer than 32 spans
- * (on H100: 18560 x 4096 24.4 us at 8, 26.9 at 4; 10304 x 2688 12.9 at 8, 10.6 at 4). */
-static int e2m1_warps(const GMat *W) { return cdiv(W->cols, E2M1_SPAN) >= 32 ? 8 : 4; }
+/* Warps of an NVFP4 product's block (gemv_e2m1_kernel) for rows of `spans` spans: 8, or 4 for fewer
+ * than 32 (on H100: 18560 x 4096 24.4 us at 8, 26.9 at 4; 10304 x 2688 12.9 at 8, 10.6 at 4). */
+static int e2m1_warps(int spans) { return spans >= 32 ? 8 : 4; }
 static void (*e2m1_for(int epi, int warps))(const GemvArgs) {
     if (warps == 8) return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 8> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 8> : gemv_e2m1_kernel<EPI_NONE, 8>;
     return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 4> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 4> : gemv_e2m1_kernel<EPI_NONE, 4>;
@@ -3257,7 +3405,7 @@ static void (*e2m1_for(int epi, int warps))(const GemvArgs) {
 static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi, const GMat *next,
                    const GroupScale *gs) {
     if (decoded(g, T) && (T == 1 || ldx % 4 == 0)) {   /* each token's x row 16-byte aligned, as the kernel reads it */
-        int e2m1 = W->fmt == DT_NVFP4, warps = e2m1 ? e2m1_warps(W) : GEMV_WARPS, wpr = e2m1 ? 1 : gemv_wpr(g, W), slots;
+        int e2m1 = W->fmt == DT_NVFP4, warps = e2m1 ? e2m1_warps(cdiv(W->cols, E2M1_SPAN)) : GEMV_WARPS, wpr = e2m1 ? 1 : gemv_wpr(g, W), slots;
         int blocks = e2m1 ? cdiv(W->rows, E2M1_ROWS) : gemv_blocks(g, W->rows, quantized(W->fmt), wpr, &slots);
         if (e2m1) slots = g->gemv_slots / 2 * GEMV_WARPS / warps;   /* as many warps an SM as the quantized kernels */
         GemvArgs a = {.out = out, .W = *W, .x = x, .T = T, .ldx = ldx, .ldo = ldo, .wpr = wpr, .warm = next ? next->w : NULL,
@@ -3565,14 +3713,15 @@ template <typename YT> static void moe_combine(GpuRank *g, const MoeShape *ms, i
            ms->d, ms->lat ? 0 : 1, y, ms->d, (const int *)g->moe_row, (const float *)g->moe_w, ms->K, ms->d);
 }
 
-/* The expert kernels for a format class, NT tokens a round. */
+/* The expert kernels for a format class, NT tokens a round (NVFP4 alone: moe_up_e2m1_kernel and
+ * moe_down_e2m1_kernel; with other formats, FMT_ANY's). */
 template <int NT> static void (*moe_up_for(int f))(float *, const int *, const float *, const MoeUp) {
     return f == DT_F32 ? moe_up_kernel<DT_F32, NT> : f == DT_BF16 ? moe_up_kernel<DT_BF16, NT> : f == DT_FP8 ? moe_up_kernel<DT_FP8, NT>
-         : f == DT_NVFP4 ? moe_up_kernel<DT_NVFP4, NT> : moe_up_kernel<FMT_ANY, NT>;
+         : moe_up_kernel<FMT_ANY, NT>;
 }
 template <int NT> static void (*moe_down_for(int f))(float *, int, const int *, const MoeDown, int, const void *, size_t, int) {
     return f == DT_F32 ? moe_down_kernel<DT_F32, NT> : f == DT_BF16 ? moe_down_kernel<DT_BF16, NT> : f == DT_FP8 ? moe_down_kernel<DT_FP8, NT>
-         : f == DT_NVFP4 ? moe_down_kernel<DT_NVFP4, NT> : moe_down_kernel<FMT_ANY, NT>;
+         : moe_down_kernel<FMT_ANY, NT>;
 }
 
 /* Launches the grouped product over every expert's pairs (MoeGemm): out = epi(a W_e^T), TK pairs. */
@@ -3600,6 +3749,14 @@ static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, const 
     if (md.k) fmts[nf++] = md.routed.W.fmt;
     for (int j = 0; j < md.nfixed; j++) fmts[nf++] = md.fixed[j].W.fmt;
     int f = fmt_class(fmts, nf), q = f != DT_F32 && f != DT_BF16, wpr = gemv_wpr(g, rows, bytes, q), slots;
+    if (f == DT_NVFP4) {   /* on the tensor cores */
+        int spans = md.k * cdiv(md.routed.W.cols, E2M1_SPAN), warps, blocks = cdiv(rows, E2M1_ROWS);
+        for (int j = 0; j < md.nfixed; j++) spans += cdiv(md.fixed[j].W.cols, E2M1_SPAN);
+        warps = e2m1_warps(spans), slots = g->gemv_slots / 2 * GEMV_WARPS / warps;
+        LAUNCH(blocks, 32 * warps, 0, g->stream, warps == 8 ? moe_down_e2m1_kernel<8> : moe_down_e2m1_kernel<4>, out, rows,
+               (const int *)g->moe_idx, md, next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
+        return;
+    }
     int blocks = gemv_blocks(g, rows, q, wpr, &slots);
     LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, md.T > 1 ? moe_down_for<GEMV_TOKENS>(f) : moe_down_for<1>(f), out, rows,
            (const int *)g->moe_idx, md, wpr, next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
@@ -3625,8 +3782,14 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
         MoeUp up = {.routed = {L->eup, z, ms->lat ? ms->lat : ms->H}, .m = m, .K = K, .shared = {L->sup, g->x, ms->H}, .S = ms->S,
                     .T = T, .ldh = ldh};
         int fmts[2] = {L->eup.fmt, L->sup.fmt}, f = fmt_class(fmts, 2);
-        LAUNCH(cdiv(ms->S + T * K * m, GEMV_WARPS * (f == DT_F32 || f == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream,
-               T > 1 ? moe_up_for<GEMV_TOKENS>(f) : moe_up_for<1>(f), g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);
+        if (f == DT_NVFP4) {   /* on the tensor cores */
+            int warps = e2m1_warps(cdiv(std::max(L->eup.cols, L->sup.cols), E2M1_SPAN));
+            LAUNCH(cdiv(ms->S, E2M1_ROWS) + T * K * cdiv(m, E2M1_ROWS), 32 * warps, 0, g->stream,
+                   warps == 8 ? moe_up_e2m1_kernel<8> : moe_up_e2m1_kernel<4>, g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);
+        } else {
+            LAUNCH(cdiv(ms->S + T * K * m, GEMV_WARPS * (f == DT_F32 || f == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream,
+                   T > 1 ? moe_up_for<GEMV_TOKENS>(f) : moe_up_for<1>(f), g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);
+        }
         MoeIn routed = {L->edown, g->moe_h, ldh}, shared = {L->sdown, g->moe_h + (size_t)K * mp, ldh};
         if (ms->lat) {
             MoeIn fc2 = {L->lat_out, g->moe_ylat, ms->lat};
