@@ -53,7 +53,9 @@ for a, b in steps:
     total += last - start
 k = len(steps)
 print("%d steps, %.1f us a step" % (k, total / k / 1e3))
-print("%-62s %6s %10s %8s %10s" % ("record", "a step", "us a step", "share", "us each"))
+# a step: its runs and charged us (what they added to the step's timeline); us a run: start to end,
+# overlapping the kernel before (programmatic dependent launch)
+print("%-62s %6s %12s %8s %10s" % ("record", "runs", "charged us", "share", "us a run"))
 for key in sorted(charge, key=lambda x: -charge[x]):
-    print("%-62s %6.1f %10.1f %7.1f%% %10.2f" % (key[:62], count[key] / k, charge[key] / k / 1e3, 100 * charge[key] / total,
+    print("%-62s %6.1f %12.1f %7.1f%% %10.2f" % (key[:62], count[key] / k, charge[key] / k / 1e3, 100 * charge[key] / total,
                                                  busy[key] / count[key] / 1e3))
