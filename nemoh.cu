@@ -1002,14 +1002,10 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT
     int row0 = (blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr) * QROWS;
     __shared__ float red[GEMV_WARPS][NT][QROWS];
     const char *wr[QROWS];
-    const uint8_t *br[QROWS];
+    const uint8_t *br[QROWS] = {};   /* FP8: no block scales */
     Piece v[QROWS];
 #pragma unroll
-    for (int q = 0; q < QROWS; q++) {
-        int r = min(row0 + q, rows - 1);
-        wr[q] = (const char *)a.W.w + (size_t)r * row_bytes(FMT, a.W.ld);
-        br[q] = NULL;
-    }
+    for (int q = 0; q < QROWS; q++) wr[q] = (const char *)a.W.w + (size_t)min(row0 + q, rows - 1) * row_bytes(FMT, a.W.ld);
     rows_load<FMT, QROWS>(v, wr, br, c, nvec);
     pdl_wait();
     __shared__ float gsum[EPI == EPI_GNORM ? NT * GNORM_PARTS : 1];
@@ -1058,23 +1054,40 @@ __device__ __forceinline__ uint32_t e2m1_scale(unsigned b) {
     return pack_bf16(f, f);
 }
 
+/* Row i of a matrix on the device: its bytes, its block scales (NVFP4) and its scale (1 unquantized). */
+typedef struct {
+    const char *w;
+    const uint8_t *bs;
+    float scale;
+} GRow;
+
+__device__ __forceinline__ GRow gmat_row(const GMat &W, size_t i) {
+    int q = quantized(W.fmt);
+    return GRow{(const char *)W.w + i * row_bytes(W.fmt, W.ld), W.bs ? W.bs + i * (W.ld / 16) : NULL, q ? W.rs[i] : 1.0f};
+}
+
+/* gmat_row of an NVFP4 matrix, for the tensor-core kernels: no branch on the format. */
+__device__ __forceinline__ GRow e2m1_row(const GMat &W, size_t i) {
+    return GRow{(const char *)W.w + i * row_bytes(DT_NVFP4, W.ld), W.bs + i * (W.ld / 16), W.rs[i]};
+}
+
 /* A lane's part of a span: 16 bytes of each of its two rows and their two block scales each. */
 struct E2m1Chunk {
     uint4 a, b;
     uint32_t sa, sb;
 };
 
-/* Lane t's part of rows a and b (bytes wa, wb; block scales ba, bb) at element e = a span's start +
- * 32 t: zeros past the row's cols (whole 16-element blocks). */
-__device__ __forceinline__ E2m1Chunk e2m1_load(const char *wa, const char *wb, const uint8_t *ba, const uint8_t *bb, int e, int cols) {
+/* Lane t's part of rows a and b at element e = a span's start + 32 t: zeros past the row's cols
+ * (whole 16-element blocks). */
+__device__ __forceinline__ E2m1Chunk e2m1_load(const GRow &a, const GRow &b, int e, int cols) {
     E2m1Chunk c = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0), 0, 0};
     if (e + 32 <= cols) {
-        c.a = ld_stream((const uint4 *)(wa + e / 2)), c.b = ld_stream((const uint4 *)(wb + e / 2));
-        c.sa = __ldg((const unsigned short *)(ba + e / 16)), c.sb = __ldg((const unsigned short *)(bb + e / 16));
+        c.a = ld_stream((const uint4 *)(a.w + e / 2)), c.b = ld_stream((const uint4 *)(b.w + e / 2));
+        c.sa = __ldg((const unsigned short *)(a.bs + e / 16)), c.sb = __ldg((const unsigned short *)(b.bs + e / 16));
     } else if (e + 16 <= cols) {
-        uint2 x = *(const uint2 *)(wa + e / 2), y = *(const uint2 *)(wb + e / 2);
+        uint2 x = *(const uint2 *)(a.w + e / 2), y = *(const uint2 *)(b.w + e / 2);
         c.a = make_uint4(x.x, x.y, 0, 0), c.b = make_uint4(y.x, y.y, 0, 0);
-        c.sa = ba[e / 16], c.sb = bb[e / 16];
+        c.sa = a.bs[e / 16], c.sb = b.bs[e / 16];
     }
     return c;
 }
@@ -1121,10 +1134,8 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) gemv_e2m1_kernel(const
     const GroupScale gs = a.gs;
     int rows = a.W.rows, cols = a.W.cols, T = a.T, spans = cdiv(cols, E2M1_SPAN);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, r0 = blockIdx.x * E2M1_ROWS;
-    int ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1);
-    const char *wa = (const char *)a.W.w + (size_t)ra * row_bytes(DT_NVFP4, a.W.ld), *wb = (const char *)a.W.w + (size_t)rb * row_bytes(DT_NVFP4, a.W.ld);
-    const uint8_t *ba = a.W.bs + (size_t)ra * (a.W.ld / 16), *bb = a.W.bs + (size_t)rb * (a.W.ld / 16);
-    auto load = [&](int s) { return s < spans ? e2m1_load(wa, wb, ba, bb, s * E2M1_SPAN + 32 * t, cols) : E2m1Chunk{}; };
+    GRow ra = e2m1_row(a.W, min(r0 + g, rows - 1)), rb = e2m1_row(a.W, min(r0 + g + 8, rows - 1));
+    auto load = [&](int s) { return s < spans ? e2m1_load(ra, rb, s * E2M1_SPAN + 32 * t, cols) : E2m1Chunk{}; };
     E2m1Chunk cur = load(warp);   /* fetched while the previous kernel finishes */
     pdl_wait();
     __shared__ float gsum[EPI == EPI_GNORM ? E2M1_TOKENS * GNORM_PARTS : 1];
@@ -1157,7 +1168,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) gemv_e2m1_kernel(const
         for (int j = 0; j < 4 && !warp; j++) {
             int n = 2 * t + (j & 1), row = r0 + g + (j >> 1) * 8;
             if (n >= nt || row >= rows) continue;
-            float o = acc[j] * 16384.0f * a.W.rs[row];
+            float o = acc[j] * 16384.0f * (j >> 1 ? rb : ra).scale;
             if (EPI == EPI_RELU2) { o = fmaxf(o, 0.0f); o *= o; }
             a.out[(size_t)(t0 + n) * a.ldo + row] = o;
         }
@@ -2368,18 +2379,6 @@ typedef struct {
     int ldx;                    /* floats between two tokens' inputs (several tokens) */
 } MoeIn;
 
-/* Row i of an expert product's matrix: its bytes, its block scales and its scale. */
-typedef struct {
-    const char *w;
-    const uint8_t *bs;
-    float scale;
-} MoeRow;
-
-__device__ __forceinline__ MoeRow moe_row(const GMat &W, size_t i) {
-    int q = quantized(W.fmt);
-    return MoeRow{(const char *)W.w + i * row_bytes(W.fmt, W.ld), W.bs ? W.bs + i * (W.ld / 16) : NULL, q ? W.rs[i] : 1.0f};
-}
-
 typedef struct {
     MoeIn routed;               /* every expert's up_proj rows of this rank, stacked, on z */
     int m, K;                   /* rows of one expert's (this rank's intermediate size), chosen slots */
@@ -2392,16 +2391,16 @@ typedef struct {
  * and its slot's weight. */
 typedef struct {
     const GMat *W;
-    MoeRow row;
+    GRow row;
     const float *x;
     int at;
     float wt;
 } MoeUpRow;
 
 __device__ __forceinline__ MoeUpRow moe_up_row(const MoeUp &u, const int *idx, const float *wt, int r) {
-    if (r < u.S) return MoeUpRow{&u.shared.W, moe_row(u.shared.W, r), u.shared.x, u.K * pad8(u.m) + r, 1.0f};
+    if (r < u.S) return MoeUpRow{&u.shared.W, gmat_row(u.shared.W, r), u.shared.x, u.K * pad8(u.m) + r, 1.0f};
     int p = (r - u.S) / u.m, i = (r - u.S) - p * u.m, t = p / u.K, j = p - t * u.K;   /* token t's slot j */
-    return MoeUpRow{&u.routed.W, moe_row(u.routed.W, (size_t)idx[p] * u.m + i), u.routed.x + (size_t)t * u.routed.ldx,
+    return MoeUpRow{&u.routed.W, gmat_row(u.routed.W, (size_t)idx[p] * u.m + i), u.routed.x + (size_t)t * u.routed.ldx,
                     t * u.ldh + j * pad8(u.m) + i, wt[p]};
 }
 
@@ -2411,7 +2410,7 @@ __device__ __forceinline__ MoeUpRow moe_up_row(const MoeUp &u, const int *idx, c
 template <int F, int NT>
 __device__ __forceinline__ void moe_up_rows(float *h, const int *idx, const float *wt, const MoeUp &u, int r0, int lane) {
     int end = u.S + u.T * u.K * u.m;
-    for (int q = 0; q < QROWS && r0 + q < u.S; q++) l2_row(moe_row(u.shared.W, r0 + q).w, row_bytes(u.shared.W.fmt, u.shared.W.cols), lane, 32);
+    for (int q = 0; q < QROWS && r0 + q < u.S; q++) l2_row(gmat_row(u.shared.W, r0 + q).w, row_bytes(u.shared.W.fmt, u.shared.W.cols), lane, 32);
     pdl_wait();
     if (r0 >= end) return;
     int last = min(r0 + QROWS, end) - 1, together = last == r0 + QROWS - 1 &&
@@ -2472,7 +2471,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
         moe_up_rows<F, NT>(h, idx, wt, u, (blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5)) * QROWS, lane);
     } else {
         int r = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-        if (r < S) l2_row(moe_row(u.shared.W, r).w, row_bytes(u.shared.W.fmt, u.shared.W.cols), lane, 32);
+        if (r < S) l2_row(gmat_row(u.shared.W, r).w, row_bytes(u.shared.W.fmt, u.shared.W.cols), lane, 32);
         pdl_wait();
         if (r >= S + u.T * u.K * m) return;
         MoeUpRow v = moe_up_row(u, idx, wt, r);
@@ -2545,7 +2544,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
         auto rows_of = [&](const MoeSeg &sg, const char *(&w)[QROWS], const uint8_t *(&bs)[QROWS], float (&sc)[QROWS]) {
 #pragma unroll
             for (int q = 0; q < QROWS; q++) {
-                MoeRow s = moe_row(*sg.W, sg.r0 + min(row0 + q, rows - 1));
+                GRow s = gmat_row(*sg.W, sg.r0 + min(row0 + q, rows - 1));
                 w[q] = s.w, bs[q] = s.bs, sc[q] = s.scale;
             }
         };
@@ -2588,7 +2587,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
         }
     } else {
         int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr;
-        auto seg_row = [&](const MoeSeg &sg) { return moe_row(*sg.W, sg.r0 + row); };
+        auto seg_row = [&](const MoeSeg &sg) { return gmat_row(*sg.W, sg.r0 + row); };
         auto seg_bytes = [&](const MoeSeg &sg) { return row_bytes(sg.W->fmt, sg.W->cols); };
         auto ahead = [&](int t, int j) {   /* asks L2 for segment j + 1's row */
             MoeSeg a = moe_seg(t, j + 1);
@@ -2604,7 +2603,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
                     for (int j = 0; j < (NT == 1 ? n : md.k); j++) {
                         if (j + 1 < n) ahead(t0 + t, j);
                         MoeSeg sg = moe_seg(t0 + t, j);
-                        MoeRow s = seg_row(sg);
+                        GRow s = seg_row(sg);
                         float d[1];
                         row_dot<F, 1>(d, s.w, s.bs, sg.x, 0, 1, sg.W->cols, first, st);
                         acc[t] += d[0] * s.scale;
@@ -2612,7 +2611,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
                 for (int j = md.k; NT > 1 && j < n; j++) {   /* the fixed ones, for every token of the round */
                     if (j + 1 < n) ahead(t0, j);
                     MoeSeg sg = moe_seg(t0, j);
-                    MoeRow s = seg_row(sg);
+                    GRow s = seg_row(sg);
                     float d[NT];
                     row_dot<F, NT>(d, s.w, s.bs, sg.x, ld[j], nt, sg.W->cols, first, st);
                     for (int t = 0; t < nt; t++) acc[t] += d[t] * s.scale;
@@ -2649,23 +2648,20 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_up_e2m1_kernel(flo
     int ts = cdiv(u.S, E2M1_ROWS), tm = cdiv(u.m, E2M1_ROWS), b = blockIdx.x, shared = b < ts, p = shared ? 0 : (b - ts) / tm;
     int tok = p / u.K, j = p % u.K, n = shared ? u.S : u.m, i0 = (shared ? b : b - ts - p * tm) * E2M1_ROWS;
     const MoeIn &in = shared ? u.shared : u.routed;
-    int cols = in.W.cols, spans = cdiv(cols, E2M1_SPAN), ra = min(i0 + g, n - 1), rb = min(i0 + g + 8, n - 1);
-    const char *wa, *wb;
-    const uint8_t *ba, *bb;
-    auto at = [&](size_t base) {   /* rows base + ra, base + rb of the stacked matrix */
-        wa = (const char *)in.W.w + (base + ra) * row_bytes(DT_NVFP4, in.W.ld), wb = (const char *)in.W.w + (base + rb) * row_bytes(DT_NVFP4, in.W.ld);
-        ba = in.W.bs + (base + ra) * (in.W.ld / 16), bb = in.W.bs + (base + rb) * (in.W.ld / 16);
+    int cols = in.W.cols, spans = cdiv(cols, E2M1_SPAN);
+    GRow ra, rb;
+    auto at = [&](size_t base) {   /* rows base + i0 + g, base + i0 + g + 8 of the stacked matrix */
+        ra = e2m1_row(in.W, base + min(i0 + g, n - 1)), rb = e2m1_row(in.W, base + min(i0 + g + 8, n - 1));
     };
-    auto load = [&](int s) { return s < spans ? e2m1_load(wa, wb, ba, bb, s * E2M1_SPAN + 32 * t, cols) : E2m1Chunk{}; };
+    auto load = [&](int s) { return s < spans ? e2m1_load(ra, rb, s * E2M1_SPAN + 32 * t, cols) : E2m1Chunk{}; };
     E2m1Chunk cur = {};
     if (shared) {
         at(0);
         cur = load(warp);
     }
     pdl_wait();
-    size_t base = shared ? 0 : (size_t)idx[p] * u.m;
     if (!shared) {
-        at(base);
+        at((size_t)idx[p] * u.m);
         cur = load(warp);
     }
     float w = shared ? 1.0f : wt[p];
@@ -2689,7 +2685,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_up_e2m1_kernel(flo
         for (int q = 0; q < 4 && !warp; q++) {
             int c = 2 * t + (q & 1), i = i0 + g + (q >> 1) * 8;
             if (c >= nt || i >= n) continue;
-            float v = fmaxf(acc[q] * 16384.0f * in.W.rs[base + i], 0.0f);
+            float v = fmaxf(acc[q] * 16384.0f * (q >> 1 ? rb : ra).scale, 0.0f);
             h[(size_t)(shared ? t0 + c : tok) * u.ldh + (shared ? u.K * pad8(u.m) : j * pad8(u.m)) + i] = w * v * v;
         }
     }
@@ -2713,19 +2709,16 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_down_e2m1_kernel(f
     __syncthreads();
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, r0 = blockIdx.x * E2M1_ROWS;
     int ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1), spans = seg[n], tk = 0;
-    struct View {   /* token tk's segment as this lane sees it */
-        const char *wa, *wb;
-        const uint8_t *ba, *bb;
+    struct View {   /* token tk's segment as this lane sees it: its rows, input and width */
+        GRow a, b;
         const float *x;
-        float sa, sb;   /* the rows' scales */
         int cols;
     };
     auto view = [&](int j) {
         const MoeIn &in = j < md.k ? md.routed : md.fixed[j - md.k];
-        size_t base = j < md.k ? (size_t)idx[tk * md.k + j] * md.erows : 0, a = base + ra, b = base + rb;
-        return View{(const char *)in.W.w + a * row_bytes(DT_NVFP4, in.W.ld), (const char *)in.W.w + b * row_bytes(DT_NVFP4, in.W.ld),
-                    in.W.bs + a * (in.W.ld / 16), in.W.bs + b * (in.W.ld / 16),
-                    in.x + (size_t)tk * in.ldx + (j < md.k ? (size_t)j * md.xstep : 0), in.W.rs[a], in.W.rs[b], in.W.cols};
+        size_t base = j < md.k ? (size_t)idx[tk * md.k + j] * md.erows : 0;
+        return View{e2m1_row(in.W, base + ra), e2m1_row(in.W, base + rb), in.x + (size_t)tk * in.ldx + (j < md.k ? (size_t)j * md.xstep : 0),
+                    in.W.cols};
     };
     int lj = 0, cj = 0;   /* the segments of the span loaded next and of the span dotted */
     View lv = view(0), cv = lv;
@@ -2735,7 +2728,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_down_e2m1_kernel(f
             while (s >= seg[lj + 1]) lj++;
             lv = view(lj);
         }
-        return e2m1_load(lv.wa, lv.wb, lv.ba, lv.bb, (s - seg[lj]) * E2M1_SPAN + 32 * t, lv.cols);
+        return e2m1_load(lv.a, lv.b, (s - seg[lj]) * E2M1_SPAN + 32 * t, lv.cols);
     };
     E2m1Chunk cur = load(warp);
     pdl_wait();
@@ -2756,7 +2749,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_down_e2m1_kernel(f
             if (g == 0) e2m1_x(xb, cv.x, (s - seg[cj]) * E2M1_SPAN + 32 * t, cv.cols);
             float d[4] = {0, 0, 0, 0};
             e2m1_mma(d, cur, xb);
-            acc[0] += d[0] * cv.sa, acc[2] += d[2] * cv.sb;
+            acc[0] += d[0] * cv.a.scale, acc[2] += d[2] * cv.b.scale;
             cur = nxt;
         }
         if (tk == md.T - 1 && (int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
@@ -3393,6 +3386,8 @@ static void (*gemv_for(int fmt, int epi, int several))(const GemvArgs) {
 /* Warps of an NVFP4 product's block (gemv_e2m1_kernel) for rows of `spans` spans: 8, or 4 for fewer
  * than 32 (on H100: 18560 x 4096 24.4 us at 8, 26.9 at 4; 10304 x 2688 12.9 at 8, 10.6 at 4). */
 static int e2m1_warps(int spans) { return spans >= 32 ? 8 : 4; }
+/* Blocks of `warps` warps the GPU holds at once: as many warps an SM as the quantized kernels. */
+static int e2m1_slots(const GpuRank *g, int warps) { return g->gemv_slots / 2 * GEMV_WARPS / warps; }
 static void (*e2m1_for(int epi, int warps))(const GemvArgs) {
     if (warps == 8) return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 8> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 8> : gemv_e2m1_kernel<EPI_NONE, 8>;
     return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 4> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 4> : gemv_e2m1_kernel<EPI_NONE, 4>;
@@ -3407,7 +3402,7 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
     if (decoded(g, T) && (T == 1 || ldx % 4 == 0)) {   /* each token's x row 16-byte aligned, as the kernel reads it */
         int e2m1 = W->fmt == DT_NVFP4, warps = e2m1 ? e2m1_warps(cdiv(W->cols, E2M1_SPAN)) : GEMV_WARPS, wpr = e2m1 ? 1 : gemv_wpr(g, W), slots;
         int blocks = e2m1 ? cdiv(W->rows, E2M1_ROWS) : gemv_blocks(g, W->rows, quantized(W->fmt), wpr, &slots);
-        if (e2m1) slots = g->gemv_slots / 2 * GEMV_WARPS / warps;   /* as many warps an SM as the quantized kernels */
+        if (e2m1) slots = e2m1_slots(g, warps);
         GemvArgs a = {.out = out, .W = *W, .x = x, .T = T, .ldx = ldx, .ldo = ldo, .wpr = wpr, .warm = next ? next->w : NULL,
                       .warm_n = warm_bytes(next), .warm_from = blocks > slots ? blocks - slots : 0,
                       .gs = gs ? *gs : GroupScale{NULL, 0, 1, 0.0f, 0}};
@@ -3748,16 +3743,16 @@ static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, const 
     int fmts[3] = {0}, nf = 0;
     if (md.k) fmts[nf++] = md.routed.W.fmt;
     for (int j = 0; j < md.nfixed; j++) fmts[nf++] = md.fixed[j].W.fmt;
-    int f = fmt_class(fmts, nf), q = f != DT_F32 && f != DT_BF16, wpr = gemv_wpr(g, rows, bytes, q), slots;
+    int f = fmt_class(fmts, nf), q = f != DT_F32 && f != DT_BF16, slots;
     if (f == DT_NVFP4) {   /* on the tensor cores */
         int spans = md.k * cdiv(md.routed.W.cols, E2M1_SPAN), warps, blocks = cdiv(rows, E2M1_ROWS);
         for (int j = 0; j < md.nfixed; j++) spans += cdiv(md.fixed[j].W.cols, E2M1_SPAN);
-        warps = e2m1_warps(spans), slots = g->gemv_slots / 2 * GEMV_WARPS / warps;
+        warps = e2m1_warps(spans), slots = e2m1_slots(g, warps);
         LAUNCH(blocks, 32 * warps, 0, g->stream, warps == 8 ? moe_down_e2m1_kernel<8> : moe_down_e2m1_kernel<4>, out, rows,
                (const int *)g->moe_idx, md, next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
         return;
     }
-    int blocks = gemv_blocks(g, rows, q, wpr, &slots);
+    int wpr = gemv_wpr(g, rows, bytes, q), blocks = gemv_blocks(g, rows, q, wpr, &slots);
     LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, md.T > 1 ? moe_down_for<GEMV_TOKENS>(f) : moe_down_for<1>(f), out, rows,
            (const int *)g->moe_idx, md, wpr, next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
 }
