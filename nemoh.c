@@ -317,8 +317,10 @@ static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_
 
 #ifdef NEMOH_AVX512
 /* dot_groups in AVX-512 registers for R rows i0 .. i0 + R - 1 (R <= 2): 16 weights of a row a
- * register (bf16 widened, fp8_lanes, nvfp4_lanes), a register of sums a row and token, each x read
- * once for both rows; the sums of its lanes then by the hardware's tree (the same for every T and R).
+ * register (bf16 widened, fp8_lanes, nvfp4_lanes), two registers of sums a row and token (the even
+ * and the odd groups: one chain of FMAs waits out each FMA's latency, which bound one token's product,
+ * below), each x read once for both rows; the two then added and the sum of its lanes by the
+ * hardware's tree (the same for every T and R).
  * From dot_groups' arrays gcc made 8 scalar sums of hi[] for one token. Two rows at a time ask for the
  * same columns of two rows PREFETCH_BYTES or more ahead: 4 tokens of a 16384 x 2048 bf16 product on
  * both cores took 3.66 ms a row at a time, 2.07 two at a time asking for 1 KB ahead in each row, 1.44
@@ -327,23 +329,30 @@ static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_
  * AMD EPYC took 1.73 ms asking 2 rows ahead, 1.22 at 4 KB, 1.02 at 8 KB, 1.10 at 16 KB. The default
  * model's lm_head (8192 x 384) for 1 and 4 tokens on one core of the 2-core AMD EPYC (no AMX;
  * bench/cpu_matmul.c, the better of two runs): bf16 457 and 447 us with dot_groups, 163 and 259 here;
- * FP8 981 and 1068 (a table read a byte), 268 and 400; NVFP4 1095 and 1264, 382 and 436. */
+ * FP8 981 and 1068 (a table read a byte), 268 and 400; NVFP4 1095 and 1264, 382 and 436. One chain
+ * of sums a row: 1 token of a 4096 x 2048 bf16 product on one core 513 to 645 us, an FMA every 4
+ * cycles; two chains, 345 to 407. */
 enum { PREFETCH_BYTES = 8192 };
-#define DOT_LANES(DEC, K0, K1)                                               \
-    for (int k = K0; k < K1; k += 16) {                                      \
+#define DOT_STEP(DEC, ACC)                                                   \
+    {                                                                        \
         __m512 w[2];                                                         \
         for (int r = 0; r < R && R > 1; r++) _mm_prefetch(p[r] + ahead + k * bytes2 / 2, _MM_HINT_T0); \
         for (int r = 0; r < R; r++) w[r] = DEC(r);                           \
         for (int t = 0; t < NT; t++) {                                       \
             __m512 xt = _mm512_loadu_ps(x + (size_t)t * ldx + k);             \
-            for (int r = 0; r < R; r++) s[r][t] = _mm512_fmadd_ps(w[r], xt, s[r][t]); \
+            for (int r = 0; r < R; r++) ACC[r][t] = _mm512_fmadd_ps(w[r], xt, ACC[r][t]); \
         }                                                                    \
+    }
+#define DOT_LANES(DEC, K0, K1)                                               \
+    for (int k2 = K0; k2 < K1; k2 += 32) {                                   \
+        { int k = k2; DOT_STEP(DEC, s) }                                     \
+        if (k2 + 16 < K1) { int k = k2 + 16; DOT_STEP(DEC, u) }              \
     }
 static inline __attribute__((always_inline)) void dot_lanes(const Mat *W, size_t i0, const int R, const float *restrict x, size_t ldx,
                                                             int n16, const int NT, float sum[2][4]) {
     const size_t i[2] = {i0, i0 + 1};
-    __m512 s[2][4];
-    for (int t = 0; t < 4; t++) s[0][t] = s[1][t] = _mm512_setzero_ps();
+    __m512 s[2][4], u[2][4];   /* [row][token] sums of the even groups of 16, of the odd ones */
+    for (int t = 0; t < 4; t++) s[0][t] = s[1][t] = u[0][t] = u[1][t] = _mm512_setzero_ps();
     const char *p[2];
     size_t bytes2 = W->dtype == DT_F32 ? 8 : W->dtype == DT_BF16 ? 4 : W->dtype == DT_FP8 ? 2 : 1;   /* twice an element's */
     size_t row_bytes = W->ld * bytes2 / 2, ahead = row_bytes * (PREFETCH_BYTES / row_bytes < 2 ? 2 : PREFETCH_BYTES / row_bytes);
@@ -375,9 +384,10 @@ static inline __attribute__((always_inline)) void dot_lanes(const Mat *W, size_t
 #undef FP8_16
 #undef NVFP4_16
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < NT; t++) sum[r][t] = _mm512_reduce_add_ps(s[r][t]);
+        for (int t = 0; t < NT; t++) sum[r][t] = _mm512_reduce_add_ps(_mm512_add_ps(s[r][t], u[r][t]));
 }
 #undef DOT_LANES
+#undef DOT_STEP
 #endif
 
 /* sum[r][t]: the first n16 columns of row i + r (r < R <= 2) dotted with x[t * ldx] (t < NT), the lanes
