@@ -1524,9 +1524,9 @@ typedef struct {
  * fastest on the default model (its trained block; bench/RESULTS.md, "Drafting with the MTP block").
  * On a GPU, greedy, 2 (over eight prompts, one H200: 1.14x; 3, 1.08x; 4, 0.99x; one H100: 1.18x). On
  * the CPU, greedy: 2 where the AMX tile unit runs the bf16 products, whose several tokens cost what
- * one does (over eight prompts on the 2-core Xeon, 1.45x; 1 gives 1.29x, 3 1.41x); 1 without it,
- * where a verify forward's products pay for every token (the 2-core AMD EPYC, seven runs: 1.14x to
- * 1.25x; 2, 1.03x to 1.19x).
+ * one does (over eight prompts on the 2-core Xeon, 1.45x; 1 gives 1.29x, 3 1.41x); none without it,
+ * where a verify forward's products pay every token's FMAs (the 2-core AMD EPYC: one draft 0.95x to
+ * 0.99x, two 0.97x, since one token's products stopped waiting on one chain of sums).
  * Sampled, a greedy draft is accepted only when the draw equals it (acceptance length 1.27 at one
  * draft, 0.91x): none. */
 static int mtp_default(int gpu, float temp) {
@@ -1535,7 +1535,7 @@ static int mtp_default(int gpu, float temp) {
 #ifdef NEMOH_AMX
     if (amx_on()) return 2;
 #endif
-    return 1;
+    return 0;
 }
 
 static void *tok_grow(void *p, size_t *cap, size_t need, size_t size);
@@ -4485,7 +4485,7 @@ static void usage(void) {
           "  --print-ids        print generated token ids instead of text (the default without a tokenizer)\n"
           "  --dump-logits FILE float32 logits, one row of vocab_size per forward position\n"
           "  --mtp K            draft K tokens a step with the model's multi-token prediction block and verify\n"
-          "                     them in one forward (0..8; default at -t 0: 2, or 1 on a CPU without AMX; else 0)\n"
+          "                     them in one forward (0..8; default at -t 0: 2 on a GPU or a CPU with AMX; else 0)\n"
           "  --mtp-vocab N      draft among the first N token ids only (BPE's most frequent; default on the CPU:\n"
           "                     vocab_size / 8 rounded up, on a GPU: all); each MTP pass computes N rows of lm_head\n"
           "  --dump-mtp FILE    float32 logits of the MTP block, one row per position (the token after it known),\n"
