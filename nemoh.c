@@ -267,10 +267,11 @@ static inline __m512 fp8_lanes(const uint8_t *p, float scale, __m128i *top) {
     return fp8_finite(b, scale);
 }
 
-/* NVFP4: 8 bytes, the 16 E2M1 codes in element order (low nibble first) picking from the 16 values. */
+/* NVFP4: 8 bytes, the 16 E2M1 codes in element order (low nibble first) picking from the 16 values.
+ * The permutation reads an index's low four bits only, so neither nibble needs masking: each byte,
+ * and each byte shifted right by 4, goes as it is. */
 static inline __m512 nvfp4_lanes(const uint8_t *p, float sc) {
-    __m128i b = _mm_loadl_epi64((const __m128i *)p), f = _mm_set1_epi8(15);
-    __m128i n = _mm_unpacklo_epi8(_mm_and_si128(b, f), _mm_and_si128(_mm_srli_epi16(b, 4), f));
+    __m128i b = _mm_loadl_epi64((const __m128i *)p), n = _mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4));
     return _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(n), _mm512_loadu_ps(e2m1_values)), _mm512_set1_ps(sc));
 }
 #endif
