@@ -243,8 +243,74 @@ static int cpu_threads = 1;     /* OpenMP threads per rank: the cores shared amo
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define NEMOH_AVX512
-/* 16 FP8 or NVFP4 elements as fp32, mat_at's values bit for bit, in one AVX-512 register (a build
- * with -march=native on such a machine; elsewhere dot_groups decodes them one at a time).
+#define NEMOH_LANES
+/* V16: 16 fp32 lanes, one AVX-512 register (a build with -march=native on such a machine), or two
+ * AVX2 registers below; dot_lanes is written once over it. Without either, dot_groups decodes one
+ * element at a time. */
+typedef __m512 V16;
+static inline V16 v_zero(void) { return _mm512_setzero_ps(); }
+static inline V16 v_set(float f) { return _mm512_set1_ps(f); }
+static inline V16 v_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void v_store(float *p, V16 a) { _mm512_storeu_ps(p, a); }
+static inline V16 v_fma(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
+static inline V16 v_scale(V16 a, float s) { return _mm512_mul_ps(a, _mm512_set1_ps(s)); }
+static inline float v_sum(V16 a, V16 b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+static inline V16 v_bf16(const uint16_t *p) {   /* bf16 is the top half of an fp32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline V16 v_half(__m256i h) { return _mm512_cvtph_ps(h); }   /* 16 f16, exactly */
+static inline __m128i bytes16(const uint8_t *p, int n) { return _mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), p); }   /* n <= 16, zeros after */
+static inline V16 v_nan_where(V16 a, __m128i m) { return _mm512_mask_mov_ps(a, (__mmask16)_mm_movemask_epi8(m), v_set(NAN)); }
+/* E2M1 codes (an index's low four bits) to their values: a permutation of the 16 values. */
+static inline V16 v_e2m1(__m128i n) { return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(n), _mm512_loadu_ps(e2m1_values)); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define NEMOH_LANES
+/* V16 as two AVX2 registers, lanes 0-7 and 8-15: most x86 CPUs without AVX-512. On one core of the
+ * 2-core AMD EPYC, a build without AVX-512, 8192 x 384, dot_groups' arrays against these: bf16 1 token
+ * 386 to 413 us against 146 to 154, 4 tokens 1,129 to 1,161 against 466 to 500; FP8 1 token 1,420
+ * against 271 to 279; NVFP4 1 token 1,455 to 1,507 against 439 to 451. */
+typedef struct { __m256 lo, hi; } V16;
+static inline V16 v_zero(void) { return (V16){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V16 v_set(float f) { return (V16){_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+static inline V16 v_load(const float *p) { return (V16){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline void v_store(float *p, V16 a) { _mm256_storeu_ps(p, a.lo), _mm256_storeu_ps(p + 8, a.hi); }
+static inline V16 v_fma(V16 a, V16 b, V16 c) { return (V16){_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline V16 v_scale(V16 a, float s) { __m256 m = _mm256_set1_ps(s); return (V16){_mm256_mul_ps(a.lo, m), _mm256_mul_ps(a.hi, m)}; }
+static inline float v_sum(V16 a, V16 b) {
+    __m256 v = _mm256_add_ps(_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+static inline __m256i widen16(__m128i b) { return _mm256_cvtepu16_epi32(b); }
+static inline V16 v_bf16(const uint16_t *p) {
+    __m256i lo = widen16(_mm_loadu_si128((const __m128i *)p)), hi = widen16(_mm_loadu_si128((const __m128i *)(p + 8)));
+    return (V16){_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+}
+static inline V16 v_half(__m256i h) { return (V16){_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))}; }
+static inline __m128i bytes16(const uint8_t *p, int n) {
+    if (n == 16) return _mm_loadu_si128((const __m128i *)p);
+    uint8_t b[16] = {0};
+    for (int j = 0; j < n; j++) b[j] = p[j];
+    return _mm_loadu_si128((const __m128i *)b);
+}
+static inline V16 v_nan_where(V16 a, __m128i m) {   /* m: a byte of 0xFF a lane */
+    __m256 n = _mm256_set1_ps(NAN);
+    return (V16){_mm256_blendv_ps(a.lo, n, _mm256_castsi256_ps(_mm256_cvtepi8_epi32(m))),
+                 _mm256_blendv_ps(a.hi, n, _mm256_castsi256_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(m, 8))))};
+}
+/* The magnitude by a permutation of 8 (an index's low three bits), the sign from bit 3. */
+static inline V16 v_e2m1(__m128i n) {
+    __m256 mag = _mm256_loadu_ps(e2m1_values);
+    __m256i lo = _mm256_cvtepu8_epi32(n), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(n, 8)), sign = _mm256_set1_epi32((int)0x80000000);
+    return (V16){_mm256_or_ps(_mm256_permutevar8x32_ps(mag, lo), _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(lo, 28), sign))),
+                 _mm256_or_ps(_mm256_permutevar8x32_ps(mag, hi), _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(hi, 28), sign)))};
+}
+#endif
+
+#ifdef NEMOH_LANES
+/* 16 FP8 or NVFP4 elements as fp32, mat_at's values bit for bit.
  * FP8: an E4M3 code sign-extended to 16 bits and shifted left by 7 has its seven low bits under an
  * f16's exponent (bias 15 against 7) and its sign on top (the mask drops the sign's copy at bit 14):
  * the value times 2^-8, subnormals included; the hardware widens f16 to fp32 exactly. One product
@@ -252,39 +318,38 @@ static int cpu_threads = 1;     /* OpenMP threads per rank: the cores shared amo
  * 0x7F and 0xFF come out finite: fp8_bytes makes them NaN, dot_lanes a row's sums (fewer steps a
  * weight: 1 token of a 4096 x 2048 product on one core of the 2-core AMD EPYC took 553 to 598 us
  * with NaN made in the lanes, 398 to 424 so). */
-static inline __m512 fp8_finite(__m128i bytes, float scale) {
-    __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7), _mm256_set1_epi16((short)0xBF80));
-    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f * scale));
+static inline V16 fp8_finite(__m128i bytes, float scale) {
+    return v_scale(v_half(_mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7), _mm256_set1_epi16((short)0xBF80))), 256.0f * scale);
 }
-static inline __m512 fp8_bytes(__m128i bytes, float scale) {
+static inline V16 fp8_bytes(__m128i bytes, float scale) {
     __m128i low7 = _mm_set1_epi8(0x7F);
-    return _mm512_mask_mov_ps(fp8_finite(bytes, scale), _mm_cmpeq_epi8_mask(_mm_and_si128(bytes, low7), low7), _mm512_set1_ps(NAN));
+    return v_nan_where(fp8_finite(bytes, scale), _mm_cmpeq_epi8(_mm_and_si128(bytes, low7), low7));
 }
 /* fp8_finite of 16 codes at p; top: the largest of their seven low bits so far (0x7F: a NaN among them). */
-static inline __m512 fp8_lanes(const uint8_t *p, float scale, __m128i *top) {
+static inline V16 fp8_lanes(const uint8_t *p, float scale, __m128i *top) {
     __m128i b = _mm_loadu_si128((const __m128i *)p);
     *top = _mm_max_epu8(*top, _mm_and_si128(b, _mm_set1_epi8(0x7F)));
     return fp8_finite(b, scale);
 }
 
-/* NVFP4: 8 bytes, the 16 E2M1 codes in element order (low nibble first) picking from the 16 values.
- * The permutation reads an index's low four bits only, so neither nibble needs masking: each byte,
- * and each byte shifted right by 4, goes as it is. */
-static inline __m512 nvfp4_lanes(const uint8_t *p, float sc) {
-    __m128i b = _mm_loadl_epi64((const __m128i *)p), n = _mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4));
-    return _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(n), _mm512_loadu_ps(e2m1_values)), _mm512_set1_ps(sc));
+/* NVFP4: 8 bytes, the 16 E2M1 codes in element order (low nibble first), times the block's scale.
+ * v_e2m1 reads an index's low four bits only, so neither nibble needs masking: each byte, and each
+ * byte shifted right by 4, goes as it is. */
+static inline V16 nvfp4_lanes(const uint8_t *p, float sc) {
+    __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    return v_scale(v_e2m1(_mm_unpacklo_epi8(b, _mm_srli_epi16(b, 4))), sc);
 }
 #endif
 
-#ifndef NEMOH_AVX512
+#ifndef NEMOH_LANES
 /* e4m3_to_f32 of every byte, made once (pthread_once: the ranks' threads share it). */
 static float fp8_tab[256];
 static void fp8_tab_fill(void) { for (int b = 0; b < 256; b++) fp8_tab[b] = e4m3_to_f32((uint8_t)b); }
 static pthread_once_t fp8_once = PTHREAD_ONCE_INIT;
 
 /* acc[t][j] = sum W[i][k + j] * x[t][k + j] over k = 0, 16, .. < n16, j < 16, t < NT: each group of 16
- * weights dequantized once (as mat_at() does) for NT tokens, dotted in 16 lanes (a build without
- * AVX-512; dot_lanes below otherwise). Compiled once for each NT (dot_groupsRNT, not inlined) and each
+ * weights dequantized once (as mat_at() does) for NT tokens, dotted in 16 lanes (a build with
+ * neither AVX-512 nor AVX2; dot_lanes below otherwise). Compiled once for each NT (dot_groupsRNT, not inlined) and each
  * format, the lanes of each in arrays of 8 of its own:
  * so gcc keeps them in registers. With one [4][16] array for every format, inlined into dot_rows,
  * it kept them on the stack, a store and a load a group: 4 tokens of an 8192 x 384 bf16 product took
@@ -326,12 +391,14 @@ static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_
 #undef DOT_GROUPS
 #endif
 
-#ifdef NEMOH_AVX512
-/* dot_groups in AVX-512 registers for R rows i0 .. i0 + R - 1 (R <= 2): 16 weights of a row a
- * register (bf16 widened, fp8_lanes, nvfp4_lanes), two registers of sums a row and token (the even
- * and the odd groups: one chain of FMAs waits out each FMA's latency, which bound one token's product,
- * below), each x read once for both rows; the two then added and the sum of its lanes by the
- * hardware's tree (the same for every T and R).
+#ifdef NEMOH_LANES
+/* dot_groups in V16 registers for R rows i0 .. i0 + R - 1 (R <= 2): 16 weights of a row a register
+ * (v_bf16, fp8_lanes, nvfp4_lanes), registers of sums a row and token, each x read once for both
+ * rows; the sum of their lanes then by a fixed tree (the same for every T and R). With AVX-512, two
+ * registers of sums, the even and the odd groups: one chain of FMAs waits out each FMA's latency,
+ * which bound one token's product (1 token of a 4096 x 2048 bf16 product on one core of the 2-core AMD
+ * EPYC: 513 to 645 us, an FMA every 4 cycles; two chains, 345 to 407); with AVX2 a V16's two halves
+ * are two chains already, and 16 registers hold no more.
  * From dot_groups' arrays gcc made 8 scalar sums of hi[] for one token. Two rows at a time ask for the
  * same columns of two rows PREFETCH_BYTES or more ahead: 4 tokens of a 16384 x 2048 bf16 product on
  * both cores took 3.66 ms a row at a time, 2.07 two at a time asking for 1 KB ahead in each row, 1.44
@@ -339,57 +406,59 @@ static inline __attribute__((always_inline)) void dot_groups(const Mat *W, size_
  * want more than the next two: 3 tokens of a 65536 x 384 bf16 product (50 MB) on both cores of the
  * AMD EPYC took 1.73 ms asking 2 rows ahead, 1.22 at 4 KB, 1.02 at 8 KB, 1.10 at 16 KB. The default
  * model's lm_head (8192 x 384) for 1 and 4 tokens on one core of the 2-core AMD EPYC (no AMX;
- * bench/cpu_matmul.c, the better of two runs): bf16 457 and 447 us with dot_groups, 163 and 259 here;
- * FP8 981 and 1068 (a table read a byte), 268 and 400; NVFP4 1095 and 1264, 382 and 436. One chain
- * of sums a row: 1 token of a 4096 x 2048 bf16 product on one core 513 to 645 us, an FMA every 4
- * cycles; two chains, 345 to 407. */
+ * bench/cpu_matmul.c, the better of two runs): bf16 457 and 447 us with dot_groups, 163 and 259 in
+ * AVX-512 registers; FP8 981 and 1068 (a table read a byte), 268 and 400; NVFP4 1095 and 1264, 382
+ * and 436. */
 enum { PREFETCH_BYTES = 8192 };
+#ifdef NEMOH_AVX512
+#define ODD u
+#else
+#define ODD s
+#endif
 #define DOT_STEP(DEC, ACC)                                                   \
     {                                                                        \
-        __m512 w[2];                                                         \
+        V16 w[2];                                                            \
         for (int r = 0; r < R && R > 1; r++) _mm_prefetch(p[r] + ahead + k * bytes2 / 2, _MM_HINT_T0); \
         for (int r = 0; r < R; r++) w[r] = DEC(r);                           \
         for (int t = 0; t < NT; t++) {                                       \
-            __m512 xt = _mm512_loadu_ps(x + (size_t)t * ldx + k);             \
-            for (int r = 0; r < R; r++) ACC[r][t] = _mm512_fmadd_ps(w[r], xt, ACC[r][t]); \
+            V16 xt = v_load(x + (size_t)t * ldx + k);                        \
+            for (int r = 0; r < R; r++) ACC[r][t] = v_fma(w[r], xt, ACC[r][t]); \
         }                                                                    \
     }
 #define DOT_LANES(DEC, K0, K1)                                               \
     for (int k2 = K0; k2 < K1; k2 += 32) {                                   \
         { int k = k2; DOT_STEP(DEC, s) }                                     \
-        if (k2 + 16 < K1) { int k = k2 + 16; DOT_STEP(DEC, u) }              \
+        if (k2 + 16 < K1) { int k = k2 + 16; DOT_STEP(DEC, ODD) }            \
     }
 static inline __attribute__((always_inline)) void dot_lanes(const Mat *W, size_t i0, const int R, const float *restrict x, size_t ldx,
                                                             int n16, const int NT, float sum[2][4]) {
     const size_t i[2] = {i0, i0 + 1};
-    __m512 s[2][4], u[2][4];   /* [row][token] sums of the even groups of 16, of the odd ones */
-    for (int t = 0; t < 4; t++) s[0][t] = s[1][t] = u[0][t] = u[1][t] = _mm512_setzero_ps();
+    V16 s[2][4], u[2][4];   /* [row][token] sums of the even groups of 16, of the odd ones (AVX-512) */
+    for (int t = 0; t < 4; t++) s[0][t] = s[1][t] = u[0][t] = u[1][t] = v_zero();
     const char *p[2];
     size_t bytes2 = W->dtype == DT_F32 ? 8 : W->dtype == DT_BF16 ? 4 : W->dtype == DT_FP8 ? 2 : 1;   /* twice an element's */
     size_t row_bytes = W->ld * bytes2 / 2, ahead = row_bytes * (PREFETCH_BYTES / row_bytes < 2 ? 2 : PREFETCH_BYTES / row_bytes);
     for (int r = 0; r < R; r++) p[r] = (const char *)W->data + i[r] * row_bytes;
     if (W->dtype == DT_F32) {
-#define F32_16(r) _mm512_loadu_ps((const float *)p[r] + k)
+#define F32_16(r) v_load((const float *)p[r] + k)
         DOT_LANES(F32_16, 0, n16)
     } else if (W->dtype == DT_BF16) {
-#define BF16_16(r) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p[r] + k))), 16))
+#define BF16_16(r) v_bf16((const uint16_t *)p[r] + k)
         DOT_LANES(BF16_16, 0, n16)
     } else if (W->dtype == DT_FP8) {
         __m128i top[2] = {_mm_setzero_si128(), _mm_setzero_si128()}, low7 = _mm_set1_epi8(0x7F);
 #define FP8_16(r) fp8_lanes((const uint8_t *)p[r] + k, W->scale, &top[r])
         DOT_LANES(FP8_16, 0, n16)
         for (int r = 0; r < R; r++)   /* a NaN weight: the row's sums are NaN, as they would be in the lanes */
-            if (_mm_cmpeq_epi8_mask(top[r], low7))
-                for (int t = 0; t < NT; t++) s[r][t] = u[r][t] = _mm512_set1_ps(NAN);
+            if (_mm_movemask_epi8(_mm_cmpeq_epi8(top[r], low7)))
+                for (int t = 0; t < NT; t++) s[r][t] = u[r][t] = v_set(NAN);
     } else if (W->dtype == DT_NVFP4) {
-        /* the block scales of 256 columns at a time in one register each row (fp8_bytes: e4m3 times
-           the tensor's scale, nvfp4_block_scale's values), then one a group */
+        /* the block scales of 256 columns at a time (fp8_bytes: e4m3 times the tensor's scale,
+           nvfp4_block_scale's values), then one a group */
         for (int k0 = 0; k0 < n16; k0 += 256) {
             int k1 = k0 + 256 < n16 ? k0 + 256 : n16;
             float bsc[2][16];
-            for (int r = 0; r < R; r++)
-                _mm512_storeu_ps(bsc[r], fp8_bytes(_mm_maskz_loadu_epi8((__mmask16)((1u << (k1 - k0) / 16) - 1),
-                                                                        W->bs + i[r] * W->bld + k0 / 16), W->scale));
+            for (int r = 0; r < R; r++) v_store(bsc[r], fp8_bytes(bytes16(W->bs + i[r] * W->bld + k0 / 16, (k1 - k0) / 16), W->scale));
 #define NVFP4_16(r) nvfp4_lanes((const uint8_t *)p[r] + k / 2, bsc[r][(k - k0) / 16])
             DOT_LANES(NVFP4_16, k0, k1)
         }
@@ -399,10 +468,11 @@ static inline __attribute__((always_inline)) void dot_lanes(const Mat *W, size_t
 #undef FP8_16
 #undef NVFP4_16
     for (int r = 0; r < R; r++)
-        for (int t = 0; t < NT; t++) sum[r][t] = _mm512_reduce_add_ps(_mm512_add_ps(s[r][t], u[r][t]));
+        for (int t = 0; t < NT; t++) sum[r][t] = v_sum(s[r][t], u[r][t]);
 }
 #undef DOT_LANES
 #undef DOT_STEP
+#undef ODD
 #endif
 
 /* sum[j][t]: the first n16 columns of row i0 + j (j < nr, R rows at a time, R <= 2) dotted with
@@ -420,7 +490,7 @@ enum { DOT_ROWS = 16 };
             DOT_ROWS_NT(R, NT)                                                                                           \
         }                                                                                                                \
     }
-#ifdef NEMOH_AVX512
+#ifdef NEMOH_LANES
 #define DOT_ROWS_NT(R, NT) dot_lanes(W, i, R, x, ldx, n16, NT, sm);
 #else
 #define DOT_ROWS_NT(R, NT)                                                     \
@@ -452,7 +522,7 @@ DOT_GROUPS_NT(2, 4)
 static void dot_rows(const Mat *W, int i, int n, const float *x, size_t ldx, int T, float *out, size_t ldo) {
     int cols = W->cols, n16 = W->dtype == DT_F16 ? 0 : W->dtype == DT_NVFP4 ? cols : cols - cols % 16;
     int R = T > 1 ? 2 : 1, paired = n - n % R;
-#ifndef NEMOH_AVX512
+#ifndef NEMOH_LANES
     if (W->dtype == DT_FP8) pthread_once(&fp8_once, fp8_tab_fill);
 #endif
     for (int t0 = 0; t0 < T; t0 += 4) {

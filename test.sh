@@ -118,12 +118,16 @@ done
 
 # ---- the CPU matrix product: every format at awkward sizes against a float64 reference, and T tokens
 # equal to each alone; bf16 goes to the tile unit (AMX) in the -march=native builds on a CPU that has
-# one, to dot_rows in the plain build; both also under the sanitizers. And the host's e^x ----
+# one, to dot_rows in the plain build; both also under the sanitizers; and an x86-64-v3 build where
+# the CPU has AVX2, for dot_rows' AVX2 lanes (a -march=native build takes AVX-512's where it can).
+# And the host's e^x ----
 native=$(cc -march=native -E -x c /dev/null >/dev/null 2>&1 && echo -march=native)
 omp=$(echo 'int main(void){return 0;}' | cc -fopenmp -x c - -o /dev/null 2>/dev/null && echo -fopenmp)
 fpc=$(cc -ffp-contract=fast -E -x c /dev/null >/dev/null 2>&1 && echo -ffp-contract=fast)   # as the Makefile builds
 sanflags="-fsanitize=address,undefined -fno-sanitize-recover=all"
+avx2=$(grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw f16c /proc/cpuinfo && cc -march=x86-64-v3 -E -x c /dev/null >/dev/null 2>&1 && echo -march=x86-64-v3)
 builds=("cpu $native|-O2 $native $fpc $omp")   # tag|flags
+[ -n "$avx2" ] && builds+=("cpu $avx2|-O2 $avx2 $fpc $omp")
 full && builds+=("asan|-O1 -g $sanflags")
 full && [ -n "$native" ] && builds+=("asan $native|-O1 -g $native $fpc $omp $sanflags")
 for b in "${builds[@]}"; do

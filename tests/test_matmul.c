@@ -8,7 +8,8 @@
  *     forward relies on it);
  *   - with one weight of 1 a row, every output equals its x exactly (x with all 24 mantissa bits:
  *     a product that drops any part of x fails).
- * Where the build decodes FP8 and NVFP4 in AVX-512 lanes, every code against mat_at, bit for bit.
+ * Where the build decodes FP8 and NVFP4 in AVX-512 or AVX2 lanes, every code against mat_at, bit for
+ * bit.
  * An FP8 NaN code anywhere in a row makes that row's sums NaN, and only that row's.
  * Then matmul_n, several matrices of one input in one pass (Mamba's in_proj segments, attention's q, k,
  * v): each matrix's outputs equal, bit for bit, what its own matmul gives, with formats and sizes mixed
@@ -65,10 +66,11 @@ int main(void) {
 #else
     printf("bf16: dot_rows (a build without AMX)\n");
 #endif
-#ifdef NEMOH_AVX512
-    /* FP8 and NVFP4 in AVX-512 lanes: every FP8 code (NaN included) under tensor scales from subnormal
-       to the largest nemoh takes (products that round to subnormals and past the fp32 range among
-       them), and every NVFP4 byte under every block scale that is not NaN, against mat_at, bit for bit */
+#ifdef NEMOH_LANES
+    /* FP8 and NVFP4 in V16 lanes (AVX-512 or AVX2): every FP8 code (NaN included) under tensor scales
+       from subnormal to the largest nemoh takes (products that round to subnormals and past the fp32
+       range among them), and every NVFP4 byte under every block scale that is not NaN, against
+       mat_at, bit for bit */
     uint8_t codes[256], scale = 0;
     for (int b = 0; b < 256; b++) codes[b] = (uint8_t)b;
     long lane_bad = 0;
@@ -77,21 +79,25 @@ int main(void) {
     for (size_t si = 0; si < sizeof tensor_scales / sizeof *tensor_scales; si++) {
         Mat q8 = {.data = codes, .dtype = DT_FP8, .rows = 1, .cols = 256, .ld = 256, .scale = tensor_scales[si]};
         for (int g = 0; g < 16; g++) {
-            _mm512_storeu_ps(got, fp8_bytes(_mm_loadu_si128((const __m128i *)(codes + 16 * g)), q8.scale));
+            v_store(got, fp8_bytes(_mm_loadu_si128((const __m128i *)(codes + 16 * g)), q8.scale));
             for (int j = 0; j < 16; j++) { float want = mat_at(&q8, 0, (size_t)(16 * g + j)); lane_bad += memcmp(&got[j], &want, 4) != 0; }
         }
     }
     for (; scale < 127; scale++)
         for (int g = 0; g < 32; g++) {   /* 8 bytes, 16 elements, a group */
             Mat q4 = {.data = codes + 8 * g, .dtype = DT_NVFP4, .rows = 1, .cols = 16, .ld = 16, .bs = &scale, .bld = 1, .scale = 0.37f};
-            _mm512_storeu_ps(got, nvfp4_lanes(codes + 8 * g, nvfp4_block_scale(&q4, 0, 0)));
+            v_store(got, nvfp4_lanes(codes + 8 * g, nvfp4_block_scale(&q4, 0, 0)));
             for (int j = 0; j < 16; j++) { float want = mat_at(&q4, 0, (size_t)j); lane_bad += memcmp(&got[j], &want, 4) != 0; }
         }
+#ifdef NEMOH_AVX512
     printf("dot_rows: AVX-512 registers (bf16, FP8, NVFP4)\n");
-    if (lane_bad) fail++, printf("FAILED FP8 and NVFP4 in AVX-512 lanes: %ld values differ from mat_at\n", lane_bad);
+#else
+    printf("dot_rows: AVX2 registers (bf16, FP8, NVFP4)\n");
+#endif
+    if (lane_bad) fail++, printf("FAILED FP8 and NVFP4 in V16 lanes: %ld values differ from mat_at\n", lane_bad);
     else pass++;
 #else
-    printf("dot_rows: arrays of lanes (a build without AVX-512)\n");
+    printf("dot_rows: arrays of lanes (a build with neither AVX-512 nor AVX2)\n");
 #endif
     for (size_t d = 0; d < sizeof dtypes / sizeof *dtypes; d++)
         for (size_t s = 0; s < sizeof shapes / sizeof *shapes; s++)
