@@ -283,9 +283,8 @@ static inline float v_sum(V16 a, V16 b) {
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
-static inline __m256i widen16(__m128i b) { return _mm256_cvtepu16_epi32(b); }
 static inline V16 v_bf16(const uint16_t *p) {
-    __m256i lo = widen16(_mm_loadu_si128((const __m128i *)p)), hi = widen16(_mm_loadu_si128((const __m128i *)(p + 8)));
+    __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8)));
     return (V16){_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
 }
 static inline V16 v_half(__m256i h) { return (V16){_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))}; }
