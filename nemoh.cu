@@ -3383,14 +3383,18 @@ static void (*gemv_for(int fmt, int epi, int several))(const GemvArgs) {
     return several ? gemv_for<GEMV_TOKENS>(fmt, epi) : gemv_for<1>(fmt, epi);
 }
 
-/* Warps of an NVFP4 product's block (gemv_e2m1_kernel) for rows of `spans` spans: 8, or 4 for fewer
- * than 32 (on H100: 18560 x 4096 24.4 us at 8, 26.9 at 4; 10304 x 2688 12.9 at 8, 10.6 at 4). */
-static int e2m1_warps(int spans) { return spans >= 32 ? 8 : 4; }
+/* Warps of an NVFP4 product's block (gemv_e2m1_kernel, the expert kernels) for rows of `spans` spans:
+ * 8, or 2 for fewer than 32. On one H100: 18560 x 4096 alone 24.4 us at 8, 26.9 at 4; but the Nano
+ * NVFP4 decode, whose 2688-column rows (21 spans) take 10.5 to 11.8 us alone at 8, 4 or 2 warps,
+ * ran 2.10 to 2.12 ms/token at 2 against 2.18 to 2.19 at 4: in a decode step, small blocks fill
+ * the GPU beside the kernels before and after them. */
+static int e2m1_warps(int spans) { return spans >= 32 ? 8 : 2; }
 /* Blocks of `warps` warps the GPU holds at once: as many warps an SM as the quantized kernels. */
 static int e2m1_slots(const GpuRank *g, int warps) { return g->gemv_slots / 2 * GEMV_WARPS / warps; }
 static void (*e2m1_for(int epi, int warps))(const GemvArgs) {
     if (warps == 8) return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 8> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 8> : gemv_e2m1_kernel<EPI_NONE, 8>;
-    return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 4> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 4> : gemv_e2m1_kernel<EPI_NONE, 4>;
+    if (warps == 4) return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 4> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 4> : gemv_e2m1_kernel<EPI_NONE, 4>;
+    return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 2> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 2> : gemv_e2m1_kernel<EPI_NONE, 2>;
 }
 
 /* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2, or in a
@@ -3748,7 +3752,7 @@ static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, const 
         int spans = md.k * cdiv(md.routed.W.cols, E2M1_SPAN), warps, blocks = cdiv(rows, E2M1_ROWS);
         for (int j = 0; j < md.nfixed; j++) spans += cdiv(md.fixed[j].W.cols, E2M1_SPAN);
         warps = e2m1_warps(spans), slots = e2m1_slots(g, warps);
-        LAUNCH(blocks, 32 * warps, 0, g->stream, warps == 8 ? moe_down_e2m1_kernel<8> : moe_down_e2m1_kernel<4>, out, rows,
+        LAUNCH(blocks, 32 * warps, 0, g->stream, warps == 8 ? moe_down_e2m1_kernel<8> : moe_down_e2m1_kernel<2>, out, rows,
                (const int *)g->moe_idx, md, next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
         return;
     }
@@ -3780,7 +3784,7 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
         if (f == DT_NVFP4) {   /* on the tensor cores */
             int warps = e2m1_warps(cdiv(std::max(L->eup.cols, L->sup.cols), E2M1_SPAN));
             LAUNCH(cdiv(ms->S, E2M1_ROWS) + T * K * cdiv(m, E2M1_ROWS), 32 * warps, 0, g->stream,
-                   warps == 8 ? moe_up_e2m1_kernel<8> : moe_up_e2m1_kernel<4>, g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);
+                   warps == 8 ? moe_up_e2m1_kernel<8> : moe_up_e2m1_kernel<2>, g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);
         } else {
             LAUNCH(cdiv(ms->S + T * K * m, GEMV_WARPS * (f == DT_F32 || f == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream,
                    T > 1 ? moe_up_for<GEMV_TOKENS>(f) : moe_up_for<1>(f), g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);

@@ -1685,10 +1685,10 @@ static void time_gemv(int rows, int cols, int fmt = DT_BF16) {
     double bytes = (double)rows * cols * 16 / fmt_per(fmt) + (fmt == DT_NVFP4 ? rows * cols / 16.0 : 0);
     int e2m1 = fmt == DT_NVFP4;
     printf("# gemv %s %dx%d: %.1f us (%d warps a %s), %.0f GB/s of weights; at %s:", fmt_name(fmt), rows, cols, us,
-           e2m1 ? e2m1_warps(cdiv(W.cols, E2M1_SPAN)) : gemv_wpr(&g, &W), e2m1 ? "block" : "row", bytes / (us * 1e3), e2m1 ? "4, 8" : "1, 2");
-    for (int w = 1; w <= (fmt == DT_F32 ? 0 : 2); w++)
+           e2m1 ? e2m1_warps(cdiv(W.cols, E2M1_SPAN)) : gemv_wpr(&g, &W), e2m1 ? "block" : "row", bytes / (us * 1e3), e2m1 ? "2, 4, 8" : "1, 2");
+    for (int w = e2m1 ? 0 : 1; w <= (fmt == DT_F32 ? 0 : 2); w++)
         printf(" %.1f", time_us(g.stream, 50, [&] {
-            int wpr = e2m1 ? 1 : w, warps = e2m1 ? 4 * w : GEMV_WARPS, slots;
+            int wpr = e2m1 ? 1 : w, warps = e2m1 ? 2 << w : GEMV_WARPS, slots;
             GemvArgs a = {.out = dout, .W = W, .x = dx, .T = 1, .wpr = wpr, .warm = nullptr, .warm_n = 0, .warm_from = 0, .gs = GroupScale{}};
             int blocks = e2m1 ? cdiv(rows, E2M1_ROWS) : gemv_blocks(&g, rows, quantized(fmt), wpr, &slots);
             LAUNCH(blocks, 32 * warps, 0, g.stream, e2m1 ? e2m1_for(EPI_NONE, warps) : gemv_for(fmt, EPI_NONE, 0), a);
