@@ -3785,6 +3785,15 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
             int warps = e2m1_warps(cdiv(std::max(L->eup.cols, L->sup.cols), E2M1_SPAN));
             LAUNCH(cdiv(ms->S, E2M1_ROWS) + T * K * cdiv(m, E2M1_ROWS), 32 * warps, 0, g->stream,
                    warps == 8 ? moe_up_e2m1_kernel<8> : moe_up_e2m1_kernel<2>, g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);
+        } else if (L->eup.fmt == DT_NVFP4) {   /* NVFP4 experts beside a shared expert of another format: a kernel each */
+            MoeUp ru = up, su = up;
+            ru.S = 0, su.K = 0;
+            int warps = e2m1_warps(cdiv(L->eup.cols, E2M1_SPAN)), fs = L->sup.fmt;
+            LAUNCH(T * K * cdiv(m, E2M1_ROWS), 32 * warps, 0, g->stream, warps == 8 ? moe_up_e2m1_kernel<8> : moe_up_e2m1_kernel<2>, g->moe_h,
+                   (const int *)g->moe_idx, (const float *)g->moe_w, ru);
+            LAUNCH(cdiv(ms->S, GEMV_WARPS * (fs == DT_F32 || fs == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream,
+                   T > 1 ? moe_up_for<GEMV_TOKENS>(fs) : moe_up_for<1>(fs), g->moe_h + (size_t)K * mp, (const int *)g->moe_idx,
+                   (const float *)g->moe_w, su);
         } else {
             LAUNCH(cdiv(ms->S + T * K * m, GEMV_WARPS * (f == DT_F32 || f == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream,
                    T > 1 ? moe_up_for<GEMV_TOKENS>(f) : moe_up_for<1>(f), g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);

@@ -889,9 +889,9 @@ static void test_moe_router(int E, int K, int n_group, int topk_group, int norm,
  * (activations, and a quantized matrix's dequantized values), the reference rounds them too. */
 static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hidden, int lat, int T, int skew = 0) {
     int d = lat ? lat : hidden, rb = fe != DT_F32 && T > 1, qe = rb && fe >= DT_FP8, qs = rb && fs >= DT_FP8;
-    /* one token's NVFP4 products on the tensor cores round their inputs to bf16: the up product where
-       both up matrices are NVFP4, each down product where all of its matrices are */
-    int nv = T == 1 && fe == DT_NVFP4, tcu = nv && fs == DT_NVFP4, tcr = nv && (lat || fs == DT_NVFP4),
+    /* one token's NVFP4 products on the tensor cores round their inputs to bf16: the experts' up product
+       (tcu; the shared expert's too where it is NVFP4), each down product where all of its matrices are */
+    int nv = T == 1 && fe == DT_NVFP4, tcu = nv, tcx = nv && fs == DT_NVFP4, tcr = nv && (lat || fs == DT_NVFP4),
         tcs = T == 1 && fs == DT_NVFP4 && (lat || fe == DT_NVFP4);
     MoeShape ms = {E, K, m, S, hidden, lat, d};
     std::vector<HostMat> up, down;
@@ -953,7 +953,7 @@ static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hi
     std::vector<double> ref((size_t)T * hidden);
     for (int t = 0; t < T; t++) {
         std::vector<double> xi(hidden), z(d), routed(d, 0.0);
-        for (int i = 0; i < hidden; i++) xi[i] = bf16r(x[(size_t)t * hidden + i], rb || tcu);
+        for (int i = 0; i < hidden; i++) xi[i] = bf16r(x[(size_t)t * hidden + i], rb || tcx);
         for (int j = 0; j < d; j++) {
             double a = 0;
             /* fc1's input: bf16 in a prompt, and in NVFP4's tensor-core decode */
