@@ -3391,10 +3391,18 @@ static void (*gemv_for(int fmt, int epi, int several))(const GemvArgs) {
 static int e2m1_warps(int spans) { return spans >= 32 ? 8 : 2; }
 /* Blocks of `warps` warps the GPU holds at once: as many warps an SM as the quantized kernels. */
 static int e2m1_slots(const GpuRank *g, int warps) { return g->gemv_slots / 2 * GEMV_WARPS / warps; }
+/* The tensor-core kernels for a block of `warps` warps (e2m1_warps; 4 as well for gemv, which
+ * test_kernels times at 2, 4 and 8): the launch's 32 * warps threads must be the kernel's WARPS. */
 static void (*e2m1_for(int epi, int warps))(const GemvArgs) {
     if (warps == 8) return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 8> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 8> : gemv_e2m1_kernel<EPI_NONE, 8>;
     if (warps == 4) return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 4> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 4> : gemv_e2m1_kernel<EPI_NONE, 4>;
     return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 2> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 2> : gemv_e2m1_kernel<EPI_NONE, 2>;
+}
+static void (*moe_up_e2m1_for(int warps))(float *, const int *, const float *, const MoeUp) {
+    return warps == 8 ? moe_up_e2m1_kernel<8> : moe_up_e2m1_kernel<2>;
+}
+static void (*moe_down_e2m1_for(int warps))(float *, int, const int *, const MoeDown, const void *, size_t, int) {
+    return warps == 8 ? moe_down_e2m1_kernel<8> : moe_down_e2m1_kernel<2>;
 }
 
 /* out[t][i] = sum_k W[i][k] x[t][k] for T rows (row strides ldo, ldx); epi applies relu^2, or in a
@@ -3752,7 +3760,7 @@ static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, const 
         int spans = md.k * cdiv(md.routed.W.cols, E2M1_SPAN), warps, blocks = cdiv(rows, E2M1_ROWS);
         for (int j = 0; j < md.nfixed; j++) spans += cdiv(md.fixed[j].W.cols, E2M1_SPAN);
         warps = e2m1_warps(spans), slots = e2m1_slots(g, warps);
-        LAUNCH(blocks, 32 * warps, 0, g->stream, warps == 8 ? moe_down_e2m1_kernel<8> : moe_down_e2m1_kernel<2>, out, rows,
+        LAUNCH(blocks, 32 * warps, 0, g->stream, moe_down_e2m1_for(warps), out, rows,
                (const int *)g->moe_idx, md, next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
         return;
     }
@@ -3781,19 +3789,17 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
         MoeUp up = {.routed = {L->eup, z, ms->lat ? ms->lat : ms->H}, .m = m, .K = K, .shared = {L->sup, g->x, ms->H}, .S = ms->S,
                     .T = T, .ldh = ldh};
         int fmts[2] = {L->eup.fmt, L->sup.fmt}, f = fmt_class(fmts, 2);
-        if (f == DT_NVFP4) {   /* on the tensor cores */
-            int warps = e2m1_warps(cdiv(std::max(L->eup.cols, L->sup.cols), E2M1_SPAN));
-            LAUNCH(cdiv(ms->S, E2M1_ROWS) + T * K * cdiv(m, E2M1_ROWS), 32 * warps, 0, g->stream,
-                   warps == 8 ? moe_up_e2m1_kernel<8> : moe_up_e2m1_kernel<2>, g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);
-        } else if (L->eup.fmt == DT_NVFP4) {   /* NVFP4 experts beside a shared expert of another format: a kernel each */
-            MoeUp ru = up, su = up;
-            ru.S = 0, su.K = 0;
-            int warps = e2m1_warps(cdiv(L->eup.cols, E2M1_SPAN)), fs = L->sup.fmt;
-            LAUNCH(T * K * cdiv(m, E2M1_ROWS), 32 * warps, 0, g->stream, warps == 8 ? moe_up_e2m1_kernel<8> : moe_up_e2m1_kernel<2>, g->moe_h,
-                   (const int *)g->moe_idx, (const float *)g->moe_w, ru);
-            LAUNCH(cdiv(ms->S, GEMV_WARPS * (fs == DT_F32 || fs == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream,
-                   T > 1 ? moe_up_for<GEMV_TOKENS>(fs) : moe_up_for<1>(fs), g->moe_h + (size_t)K * mp, (const int *)g->moe_idx,
-                   (const float *)g->moe_w, su);
+        if (L->eup.fmt == DT_NVFP4) {   /* the experts on the tensor cores, the shared expert too where it is NVFP4 */
+            MoeUp eu = up, su = up;
+            int alone = f != DT_NVFP4, fs = L->sup.fmt;   /* alone: the shared expert's own kernel beside */
+            eu.S = alone ? 0 : ms->S, su.K = 0;
+            int warps = e2m1_warps(cdiv(std::max(L->eup.cols, alone ? 0 : L->sup.cols), E2M1_SPAN));
+            LAUNCH(cdiv(eu.S, E2M1_ROWS) + T * K * cdiv(m, E2M1_ROWS), 32 * warps, 0, g->stream, moe_up_e2m1_for(warps), g->moe_h,
+                   (const int *)g->moe_idx, (const float *)g->moe_w, eu);
+            if (alone)
+                LAUNCH(cdiv(ms->S, GEMV_WARPS * (fs == DT_F32 || fs == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream,
+                       T > 1 ? moe_up_for<GEMV_TOKENS>(fs) : moe_up_for<1>(fs), g->moe_h + (size_t)K * mp, (const int *)g->moe_idx,
+                       (const float *)g->moe_w, su);
         } else {
             LAUNCH(cdiv(ms->S + T * K * m, GEMV_WARPS * (f == DT_F32 || f == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream,
                    T > 1 ? moe_up_for<GEMV_TOKENS>(f) : moe_up_for<1>(f), g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);
