@@ -3747,6 +3747,12 @@ static void moe_gemm(GpuRank *g, const GMat &W, const void *a, const int *tok, i
     LAUNCH(grid, MG_THREADS, smem, g->stream, kernel, mg);
 }
 
+/* Launches moe_up_kernel, compiled for the format class f, over u's S + T K m virtual rows into h. */
+static void moe_up(GpuRank *g, float *h, const MoeUp &u, int f) {
+    LAUNCH(cdiv(u.S + u.T * u.K * u.m, GEMV_WARPS * (f == DT_F32 || f == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream,
+           u.T > 1 ? moe_up_for<GEMV_TOKENS>(f) : moe_up_for<1>(f), h, (const int *)g->moe_idx, (const float *)g->moe_w, u);
+}
+
 /* Launches moe_down_kernel for `rows` output rows (warps a row as gemv_wpr picks for the bytes of the
  * whole width); the last wave warms L2 for `next`. */
 static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, const GMat *next) {
@@ -3791,18 +3797,14 @@ static void moe_experts(GpuRank *g, const GLayer *L, const MoeShape *ms, float *
         int fmts[2] = {L->eup.fmt, L->sup.fmt}, f = fmt_class(fmts, 2);
         if (L->eup.fmt == DT_NVFP4) {   /* the experts on the tensor cores, the shared expert too where it is NVFP4 */
             MoeUp eu = up, su = up;
-            int alone = f != DT_NVFP4, fs = L->sup.fmt;   /* alone: the shared expert's own kernel beside */
+            int alone = f != DT_NVFP4;   /* alone: the shared expert's own kernel beside */
             eu.S = alone ? 0 : ms->S, su.K = 0;
             int warps = e2m1_warps(cdiv(std::max(L->eup.cols, alone ? 0 : L->sup.cols), E2M1_SPAN));
             LAUNCH(cdiv(eu.S, E2M1_ROWS) + T * K * cdiv(m, E2M1_ROWS), 32 * warps, 0, g->stream, moe_up_e2m1_for(warps), g->moe_h,
                    (const int *)g->moe_idx, (const float *)g->moe_w, eu);
-            if (alone)
-                LAUNCH(cdiv(ms->S, GEMV_WARPS * (fs == DT_F32 || fs == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream,
-                       T > 1 ? moe_up_for<GEMV_TOKENS>(fs) : moe_up_for<1>(fs), g->moe_h + (size_t)K * mp, (const int *)g->moe_idx,
-                       (const float *)g->moe_w, su);
+            if (alone) moe_up(g, g->moe_h + (size_t)K * mp, su, L->sup.fmt);
         } else {
-            LAUNCH(cdiv(ms->S + T * K * m, GEMV_WARPS * (f == DT_F32 || f == DT_BF16 ? 1 : QROWS)), 32 * GEMV_WARPS, 0, g->stream,
-                   T > 1 ? moe_up_for<GEMV_TOKENS>(f) : moe_up_for<1>(f), g->moe_h, (const int *)g->moe_idx, (const float *)g->moe_w, up);
+            moe_up(g, g->moe_h, up, f);
         }
         MoeIn routed = {L->edown, g->moe_h, ldh}, shared = {L->sdown, g->moe_h + (size_t)K * mp, ldh};
         if (ms->lat) {

@@ -890,8 +890,8 @@ static void test_moe_router(int E, int K, int n_group, int topk_group, int norm,
 static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hidden, int lat, int T, int skew = 0) {
     int d = lat ? lat : hidden, rb = fe != DT_F32 && T > 1, qe = rb && fe >= DT_FP8, qs = rb && fs >= DT_FP8;
     /* one token's NVFP4 products on the tensor cores round their inputs to bf16: the experts' up product
-       (tcu; the shared expert's too where it is NVFP4), each down product where all of its matrices are */
-    int nv = T == 1 && fe == DT_NVFP4, tcu = nv, tcx = nv && fs == DT_NVFP4, tcr = nv && (lat || fs == DT_NVFP4),
+       (tcu; the shared expert's too where it is NVFP4, tcx), each down product where all of its matrices are */
+    int tcu = T == 1 && fe == DT_NVFP4, tcx = tcu && fs == DT_NVFP4, tcr = tcu && (lat || fs == DT_NVFP4),
         tcs = T == 1 && fs == DT_NVFP4 && (lat || fe == DT_NVFP4);
     MoeShape ms = {E, K, m, S, hidden, lat, d};
     std::vector<HostMat> up, down;
