@@ -2406,7 +2406,8 @@ __device__ __forceinline__ MoeUpRow moe_up_row(const MoeUp &u, const int *idx, c
 
 /* moe_up_kernel's quantized form: virtual rows r0 .. r0 + QROWS - 1, read together (rows_dot) where
  * they share an input (the shared expert's rows, or one slot's expert), else one by one; a shared row
- * for every token, NT a round. */
+ * for every token, NT a round. Unlike the bf16 form, a routed row is not asked of L2 after the wait:
+ * QROWS rows' loads are already in flight together, and the requests only slowed them (FP8). */
 template <int F, int NT>
 __device__ __forceinline__ void moe_up_rows(float *h, const int *idx, const float *wt, const MoeUp &u, int r0, int lane) {
     int end = u.S + u.T * u.K * u.m;
@@ -2424,7 +2425,6 @@ __device__ __forceinline__ void moe_up_rows(float *h, const int *idx, const floa
             vr[q] = moe_up_row(u, idx, wt, r0 + g + (together ? q : 0));
             w[q] = vr[q].row.w;
             bs[q] = vr[q].row.bs;
-            if (together || q == 0) l2_row(w[q], row_bytes(vr[q].W->fmt, vr[q].W->cols), lane, 32);
         }
         int n = NT > 1 && r0 + g < u.S ? u.T : 1;   /* tokens: every one for a shared row */
         for (int t0 = 0; t0 < n; t0 += NT) {
