@@ -845,18 +845,26 @@ __device__ __forceinline__ void rows_load(Piece (&v)[R], const char *const (&row
 
 /* This lane's part of R rows' dots with x_t of `cols` elements (before the rows' scales), element k
  * of token t weighed by sc(t, k), added to acc[t][q] (tokens as row_dot's): pieces c, c + st, ...,
- * v holding the first (rows_load). Each row's next piece is in flight while this one's math runs. */
-template <int FMT, int R, int NT, typename Scale>
+ * v holding the first (rows_load). Each row's next AHEAD pieces are in flight while this one's math
+ * runs. */
+template <int FMT, int R, int NT, int AHEAD = 1, typename Scale>
 __device__ __forceinline__ void rows_dot(float (&acc)[NT][R], const char *const (&row)[R], const uint8_t *const (&bs)[R], const float *x,
                                          size_t ldx, int nt, int cols, int c, int st, Piece (&v)[R], Scale sc) {
     constexpr int per = fmt_per(FMT);
     int nvec = cols / per, first = c;
+    Piece w[R];   /* AHEAD 2: the piece after v's */
+    if (AHEAD == 2)
+#pragma unroll
+        for (int q = 0; q < R; q++) w[q] = c + st < nvec ? piece_load<FMT>((const uint4 *)row[q], bs[q], c + st) : Piece{make_uint4(0, 0, 0, 0), 0};
     for (; c < nvec; c += st) {
         Piece u[R];
 #pragma unroll
         for (int q = 0; q < R; q++) {
             u[q] = v[q];
-            if (c + st < nvec) v[q] = piece_load<FMT>((const uint4 *)row[q], bs[q], c + st);
+            if (AHEAD == 2) {
+                v[q] = w[q];
+                if (c + 2 * st < nvec) w[q] = piece_load<FMT>((const uint4 *)row[q], bs[q], c + 2 * st);
+            } else if (c + st < nvec) v[q] = piece_load<FMT>((const uint4 *)row[q], bs[q], c + st);
         }
 #pragma unroll
         for (int t = 0; t < NT; t++) {
@@ -1025,7 +1033,9 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT
         if (EPI == EPI_GNORM) group_scales<32 * GEMV_WARPS, NT>(gsum, gs, cols, t0 + ty, nt);
         auto sc = [&](int t, int k) { return EPI == EPI_GNORM ? gsum[t * GNORM_PARTS + k / gs.gsize * gs.parts] : 1.0f; };
         float acc[NT][QROWS] = {}, mine[NT] = {};   /* lane q keeps row q's sums */
-        rows_dot<FMT, QROWS, NT>(acc, wr, br, a.x + (size_t)(t0 + ty) * a.ldx, a.ldx, nt, cols, c, 32 * wpr, v, sc);
+        /* two pieces a row in flight: on one H100 the 8B FP8 decode took 3.38 ms/token against 3.42 with one
+           (the expert kernels keep one: more loads in flight were slower there, bench/RESULTS.md) */
+        rows_dot<FMT, QROWS, NT, 2>(acc, wr, br, a.x + (size_t)(t0 + ty) * a.ldx, a.ldx, nt, cols, c, 32 * wpr, v, sc);
         if (t0 + NT >= T && ty == (int)gridDim.y - 1 && (int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
         rows_sum<NT>(mine, acc, red, wpr);
         if (lane < QROWS && row0 + lane < rows && !part)
