@@ -3435,8 +3435,9 @@ static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int
         GemvArgs a = {.out = out, .W = *W, .x = x, .T = T, .ldx = ldx, .ldo = ldo, .wpr = wpr, .warm = next ? next->w : NULL,
                       .warm_n = warm_bytes(next), .warm_from = blocks > slots ? blocks - slots : 0,
                       .gs = gs ? *gs : GroupScale{NULL, 0, 1, 0.0f, 0}};
-        int ty = !e2m1 && T > 1 && gmat_bytes(W) <= TOKENS_Y_BYTES;   /* small: a token a row of blocks, the one-token kernel */
-        LAUNCH(dim3(blocks, ty ? T : 1), 32 * warps, 0, g->stream, e2m1 ? e2m1_for(epi, warps) : gemv_for(W->fmt, epi, T > 1 && !ty), a);
+        int rows_of_tokens = !e2m1 && T > 1 && gmat_bytes(W) <= TOKENS_Y_BYTES;   /* small: the one-token kernel, a token a row of blocks */
+        LAUNCH(dim3(blocks, rows_of_tokens ? T : 1), 32 * warps, 0, g->stream,
+               e2m1 ? e2m1_for(epi, warps) : gemv_for(W->fmt, epi, T > 1 && !rows_of_tokens), a);
         return;
     }
     int lda;
