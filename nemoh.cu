@@ -2278,12 +2278,19 @@ typedef struct {
     float scale;                /* routed_scaling_factor, applied last */
 } MoeRoute;
 
+/* A float's bits as an unsigned integer in the float's order (-0 as +0; NaNs past the infinities). */
+__device__ __forceinline__ unsigned order_key(float f) {
+    unsigned u = __float_as_uint(f == 0.0f ? 0.0f : f);
+    return u >> 31 ? ~u : u | 0x80000000u;
+}
+
 /* One token's choice, by the whole block, from its router logits l[E]:
  *   s = sigmoid(l);  c = s + bias;  a group scores the sum of its two largest c;  the topk_group best
  *   groups stay, the others' experts compete as -inf;  idx = the K largest c, best first;
  *   wt = s[idx] (/ (sum + 1e-20) if norm) * scale.
- * Ties go to the lower index. Ranks are counted, not sorted (an expert's slot is the number of
- * experts that beat it), so the choice is a function of the logits alone: every tensor-parallel rank,
+ * Ties go to the lower index (a NaN orders by its bits, so every slot is filled once). Ranks are
+ * counted, not sorted (an expert's slot is the number of experts that beat it), so the choice is a
+ * function of the logits alone: every tensor-parallel rank,
  * given the same reduced input, picks the same experts in the same order. */
 __device__ void moe_select(int *idx, float *wt, const float *l, const float *bias, MoeRoute rt) {
     __shared__ float s[MOE_MAX_EXPERTS], c[MOE_MAX_EXPERTS];
@@ -2315,9 +2322,36 @@ __device__ void moe_select(int *idx, float *wt, const float *l, const float *bia
         for (int e = threadIdx.x; e < rt.E; e += blockDim.x) if (!kept[e / per]) c[e] = -INFINITY;
         __syncthreads();
     }
-    for (int e = threadIdx.x; e < rt.E; e += blockDim.x) {
-        int rank = 0;
-        for (int f = 0; f < rt.E; f++) rank += c[f] > c[e] || (c[f] == c[e] && f < e);
+    /* Many experts (Super's 512): first kth = the K-th largest key, by bisection on its bits (the largest
+       value with at least K keys at or above it; a count is one block-wide barrier), then the ranks
+       among the experts at or above it, about K of them. On one H100 a Super layer's router took 16.9
+       us instead of 28.4 counting all E^2; Nano's 128 experts took 3 us more that way, so count all. */
+    __shared__ unsigned key[MOE_MAX_EXPERTS];   /* c as order keys: a total order (see order_key) */
+    for (int e = threadIdx.x; e < rt.E; e += blockDim.x) key[e] = order_key(c[e]);
+    __syncthreads();
+    __shared__ int cand[MOE_MAX_EXPERTS], n_cand;
+    int many = rt.E > 256, nc = rt.E;   /* candidates: every expert, or (many) those at or above kth */
+    if (many) {
+        unsigned kth = 0;
+        for (int bit = 31; bit >= 0; bit--) {
+            unsigned t = kth | 1u << bit;
+            int n = 0;
+            for (int e0 = 0; e0 < rt.E; e0 += blockDim.x) n += __syncthreads_count(e0 + (int)threadIdx.x < rt.E && key[e0 + threadIdx.x] >= t);
+            if (n >= rt.K) kth = t;
+        }
+        if (threadIdx.x == 0) n_cand = 0;
+        __syncthreads();
+        for (int e = threadIdx.x; e < rt.E; e += blockDim.x)
+            if (key[e] >= kth) cand[atomicAdd(&n_cand, 1)] = e;
+        __syncthreads();
+        nc = n_cand;
+    }
+    for (int i = threadIdx.x; i < nc; i += blockDim.x) {
+        int e = many ? cand[i] : i, rank = 0;
+        for (int j = 0; j < nc; j++) {
+            int f = many ? cand[j] : j;
+            rank += key[f] > key[e] || (key[f] == key[e] && f < e);
+        }
         if (rank < rt.K) pick[rank] = e;
     }
     __syncthreads();
