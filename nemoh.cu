@@ -228,6 +228,8 @@ typedef struct {
                                    [T, top_k * pad8(moe) + shared]) */
     float *moe_y;               /* [t_max * top_k, d] routed outputs, a row a pair (bf16 where the experts are) */
     float *moe_z, *moe_ylat;    /* [t_max, latent] fc1 output; weighted routed sum before fc2 */
+    float *moe_part;            /* [MOE_SPLITS, dec_t, max(hidden, latent)] a split down product's sums */
+    unsigned *moe_cnt;          /* [max(hidden, latent) / QROWS] its row tiles' finished blocks */
     int rows;                   /* logits rows the last step wrote */
     int proj_w, y_w, act_w;     /* columns of proj, y (proj_width, y_width) and act16 (the widest input) */
     int splits;                 /* decode attention splits a head (attn_splits) */
@@ -2268,7 +2270,7 @@ static void attn_prompt(cudaStream_t stream, const PromptAttnArgs<float> &a, int
  * ---------------------------------------------------------------------------------------------- */
 
 /* What the kernels below hold in shared memory (checked at setup). */
-enum { MOE_MAX_EXPERTS = 1024, MOE_MAX_TOPK = 32, MOE_SEGS = MOE_MAX_TOPK + 2, ROUTE_THREADS = 256, ROUTE_PER = 4 };
+enum { MOE_MAX_EXPERTS = 1024, MOE_MAX_TOPK = 32, MOE_SEGS = MOE_MAX_TOPK + 2, ROUTE_THREADS = 256, ROUTE_PER = 4, MOE_SPLITS = 32 };
 
 /* The router's rule, as transformers' NemotronHMoE.route_tokens_to_experts applies it. */
 typedef struct {
@@ -2548,7 +2550,31 @@ typedef struct {
     MoeIn fixed[2];             /* matrices every token uses: the shared expert's down, fc2_latent_proj */
     int nfixed;
     int T, ldo;                 /* tokens; floats between two tokens' outputs */
+    int splits;                 /* ranges a row's segments are cut into, a block each (1: none) */
+    float *part;                /* [splits, T, rows] each range's sums (splits > 1) */
+    unsigned *cnt;              /* [row tiles] blocks of a tile done (the last one adds, then resets it) */
 } MoeDown;
+
+/* A split product's end (md.splits > 1): every block of row tile `tile` (rows r0 .. r0 + n - 1) left
+ * its range's sums in md.part; the tile's last block to finish adds them in the order of the ranges
+ * into out, so each token's sums are the same however many tokens the step has. */
+__device__ void split_sum(const MoeDown &md, float *out, int rows, int tile, int r0, int n) {
+    __shared__ int last;
+    __threadfence();   /* this block's sums are visible before its count says so */
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(md.cnt + tile, 1u) == (unsigned)md.splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < md.T * n; i += blockDim.x) {
+        int t = i / n, r = r0 + i % n;
+        if (r >= rows) continue;
+        float s = 0;
+        for (int y = 0; y < md.splits; y++) s += __ldcg(md.part + ((size_t)y * md.T + t) * rows + r);
+        out[(size_t)t * md.ldo + r] = s;
+    }
+    if (threadIdx.x == 0) md.cnt[tile] = 0;
+}
 
 /* Segment j (< k + nfixed) of a token's row: its matrix, the first row of it that is the segment's,
  * and its input. */
@@ -2559,7 +2585,9 @@ typedef struct {
 } MoeSeg;
 
 /* out[t][i] = sum over the segments s of scale_s W_s[i] . x_{t,s} (the up kernel already weighed the
- * routed inputs), the segments in order. wpr warps a row, as gemv_kernel. The router ran two kernels
+ * routed inputs), the segments in order. wpr warps a row, as gemv_kernel. Quantized rows may be cut
+ * into md.splits ranges of their 16-byte pieces (all segments' side by side): block b takes row tile
+ * b % tiles and range b / tiles, and split_sum adds the ranges. The router ran two kernels
  * back, so the weights a row reads are known before the wait: its first segment is asked of L2 then;
  * after it, each segment's lines are asked for while the one before is dotted (one segment ahead,
  * not the whole row: a wave's rows of every chosen expert would not fit in L2). Several tokens: a
@@ -2591,40 +2619,64 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
     };
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, part = warp % wpr, first = part * 32 + lane, st = 32 * wpr;
     if constexpr (F != DT_F32 && F != DT_BF16) {   /* quantized: QROWS output rows a warp, x read once a piece */
-        int row0 = (blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr) * QROWS;
-        auto rows_of = [&](const MoeSeg &sg, const char *(&w)[QROWS], const uint8_t *(&bs)[QROWS], float (&sc)[QROWS]) {
+        /* block b: row tile b % tiles, and range y = b / tiles of the row's 16-byte pieces, all segments' side by side */
+        int per_tile = GEMV_WARPS / wpr * QROWS, tiles = cdiv(rows, per_tile), tile = blockIdx.x % tiles, y = blockIdx.x / tiles;
+        int row0 = tile * per_tile + warp / wpr * QROWS;
+        __shared__ int pre[MOE_SEGS + 1];   /* the first piece of each segment */
+        if (threadIdx.x == 0) {
+            pre[0] = 0;
+            for (int j = 0; j < n; j++) pre[j + 1] = pre[j] + cdiv(mat[j]->cols, fmt_per(mat[j]->fmt));
+        }
+        __syncthreads();
+        int lo = (int)((long)pre[n] * y / md.splits), hi = (int)((long)pre[n] * (y + 1) / md.splits);
+        /* segment j's part of this block's range: columns c0 .. c1 - 1 (none where c0 >= c1) */
+        auto range = [&](int j, int &c0, int &c1) {
+            int per = fmt_per(mat[j]->fmt);
+            c0 = (max(lo, pre[j]) - pre[j]) * per, c1 = min((min(hi, pre[j + 1]) - pre[j]) * per, mat[j]->cols);
+        };
+        auto rows_of = [&](const MoeSeg &sg, int c0, const char *(&w)[QROWS], const uint8_t *(&bs)[QROWS], float (&sc)[QROWS]) {
 #pragma unroll
             for (int q = 0; q < QROWS; q++) {
                 GRow s = gmat_row(*sg.W, sg.r0 + min(row0 + q, rows - 1));
-                w[q] = s.w, bs[q] = s.bs, sc[q] = s.scale;
+                w[q] = s.w + row_bytes(sg.W->fmt, c0), bs[q] = s.bs ? s.bs + c0 / 16 : NULL, sc[q] = s.scale;
             }
         };
         const char *w[QROWS];
         const uint8_t *bs[QROWS];
         float sc[QROWS];
+        int j0 = 0;   /* the first segment of the range */
+        while (j0 + 1 < n && pre[j0 + 1] <= lo) j0++;
         if (row0 < rows && n) {
-            MoeSeg s0 = moe_seg(0, 0);
-            rows_of(s0, w, bs, sc);
-            for (int q = 0; q < QROWS; q++) l2_row(w[q], row_bytes(s0.W->fmt, s0.W->cols), first, st);
+            int c0, c1;
+            range(j0, c0, c1);
+            MoeSeg s0 = moe_seg(0, j0);
+            rows_of(s0, c0, w, bs, sc);
+            for (int q = 0; q < QROWS && c0 < c1; q++) l2_row(w[q], row_bytes(s0.W->fmt, c1 - c0), first, st);
         }
         pdl_wait();
         for (int t0 = 0; t0 < T; t0 += NT) {
             int nt = min(NT, T - t0);
             float acc[NT][QROWS] = {}, mine[NT] = {};
             for (int t = 0; row0 < rows && t < nt; t++)   /* the routed segments, token by token (one token: all) */
-                for (int j = 0; j < (NT == 1 ? n : md.k); j++) {
+                for (int j = j0; j < (NT == 1 ? n : md.k); j++) {
+                    int c0, c1;
+                    range(j, c0, c1);
+                    if (c0 >= c1) break;
                     MoeSeg sg = moe_seg(t0 + t, j);
                     float part_acc[1][QROWS] = {};
-                    rows_of(sg, w, bs, sc);
-                    rows_dot_fmt<F, QROWS, 1>(sg.W->fmt, part_acc, w, bs, sg.x, 0, 1, sg.W->cols, first, st);
+                    rows_of(sg, c0, w, bs, sc);
+                    rows_dot_fmt<F, QROWS, 1>(sg.W->fmt, part_acc, w, bs, sg.x + c0, 0, 1, c1 - c0, first, st);
 #pragma unroll
                     for (int q = 0; q < QROWS; q++) acc[t][q] += part_acc[0][q] * sc[q];
                 }
-            for (int j = md.k; NT > 1 && row0 < rows && j < n; j++) {   /* the fixed ones, for every token of the round */
+            for (int j = max(j0, md.k); NT > 1 && row0 < rows && j < n; j++) {   /* the fixed ones, for every token of the round */
+                int c0, c1;
+                range(j, c0, c1);
+                if (c0 >= c1) break;
                 MoeSeg sg = moe_seg(t0, j);
                 float part_acc[NT][QROWS] = {};
-                rows_of(sg, w, bs, sc);
-                rows_dot_fmt<F, QROWS, NT>(sg.W->fmt, part_acc, w, bs, sg.x, ld[j], nt, sg.W->cols, first, st);
+                rows_of(sg, c0, w, bs, sc);
+                rows_dot_fmt<F, QROWS, NT>(sg.W->fmt, part_acc, w, bs, sg.x + c0, ld[j], nt, c1 - c0, first, st);
 #pragma unroll
                 for (int t = 0; t < NT; t++)
 #pragma unroll
@@ -2633,9 +2685,12 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
             if (t0 + NT >= T && (int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
             if (wpr > 1 && t0) __syncthreads();   /* the round before has read red */
             rows_sum<NT>(mine, acc, red, wpr);
+            float *o = md.splits > 1 ? md.part + (size_t)y * md.T * rows : out;
+            int ldo = md.splits > 1 ? rows : md.ldo;
             if (lane < QROWS && row0 + lane < rows && !part)
-                for (int t = 0; t < nt; t++) out[(size_t)(t0 + t) * md.ldo + row0 + lane] = mine[t];
+                for (int t = 0; t < nt; t++) o[(size_t)(t0 + t) * ldo + row0 + lane] = mine[t];
         }
+        if (md.splits > 1) split_sum(md, out, rows, tile, tile * per_tile, per_tile);
     } else {
         int row = blockIdx.x * (GEMV_WARPS / wpr) + warp / wpr;
         auto seg_row = [&](const MoeSeg &sg) { return gmat_row(*sg.W, sg.r0 + row); };
@@ -2742,9 +2797,10 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_up_e2m1_kernel(flo
     }
 }
 
-/* Down: block b is output rows 16 b .. 16 b + 15, token by token (column 0); its warps take every
- * WARPS-th span of a token's segments side by side (each segment's spans from its start: seg[j] is
- * segment j's first), each span's sums weighed by its rows' scale. Segments may end within a span.
+/* Down: block b is output rows 16 i .. 16 i + 15 (i = b % tiles), token by token (column 0), over
+ * range b / tiles of md.splits of the spans of a token's segments side by side (each segment's spans
+ * from its start: seg[j] is segment j's first; split_sum adds the ranges); its warps take every
+ * WARPS-th span of the range, each span's sums weighed by its rows' scale. Segments may end within a span.
  * Token 0's rows are known before the wait (the router ran two kernels back). Blocks from warm_from
  * on warm L2 for the next product. */
 template <int WARPS>
@@ -2758,8 +2814,10 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_down_e2m1_kernel(f
         for (int j = 0; j < n; j++) seg[j + 1] = seg[j] + cdiv(j < md.k ? md.routed.W.cols : md.fixed[j - md.k].W.cols, E2M1_SPAN);
     }
     __syncthreads();
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, r0 = blockIdx.x * E2M1_ROWS;
-    int ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1), spans = seg[n], tk = 0;
+    int tiles = cdiv(rows, E2M1_ROWS), tile = blockIdx.x % tiles, y = blockIdx.x / tiles;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, r0 = tile * E2M1_ROWS;
+    int ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1), tk = 0;
+    int lo = (int)((long)seg[n] * y / md.splits), hi = (int)((long)seg[n] * (y + 1) / md.splits);   /* this block's spans */
     struct View {   /* token tk's segment as this lane sees it: its rows, input and width */
         GRow a, b;
         const float *x;
@@ -2774,23 +2832,23 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_down_e2m1_kernel(f
     int lj = 0, cj = 0;   /* the segments of the span loaded next and of the span dotted */
     View lv = view(0), cv = lv;
     auto load = [&](int s) {
-        if (s >= spans) return E2m1Chunk{};
+        if (s >= hi) return E2m1Chunk{};
         if (s >= seg[lj + 1]) {
             while (s >= seg[lj + 1]) lj++;
             lv = view(lj);
         }
         return e2m1_load(lv.a, lv.b, (s - seg[lj]) * E2M1_SPAN + 32 * t, lv.cols);
     };
-    E2m1Chunk cur = load(warp);
+    E2m1Chunk cur = load(lo + warp);
     pdl_wait();
     __shared__ float red[WARPS][32][4];
     for (; tk < md.T; tk++) {
         if (tk) {   /* the token before is done with red */
             __syncthreads();
-            lj = cj = 0, lv = cv = view(0), cur = load(warp);
+            lj = cj = 0, lv = cv = view(0), cur = load(lo + warp);
         }
         float acc[4] = {0, 0, 0, 0};
-        for (int s = warp; s < spans; s += WARPS) {
+        for (int s = lo + warp; s < hi; s += WARPS) {
             E2m1Chunk nxt = load(s + WARPS);
             if (s >= seg[cj + 1]) {
                 while (s >= seg[cj + 1]) cj++;
@@ -2805,9 +2863,11 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_down_e2m1_kernel(f
         }
         if (tk == md.T - 1 && (int)blockIdx.x >= warm_from) l2_warm(warm, warm_n, blockIdx.x - warm_from, gridDim.x - warm_from);
         e2m1_warps_sum<WARPS>(acc, red, warp, lane);
+        float *o = md.splits > 1 ? md.part + ((size_t)y * md.T + tk) * rows : out + (size_t)tk * md.ldo;
         for (int k = 0; k < 2 && !warp && t == 0; k++)
-            if (r0 + g + 8 * k < rows) out[(size_t)tk * md.ldo + r0 + g + 8 * k] = acc[2 * k] * 16384.0f;
+            if (r0 + g + 8 * k < rows) o[r0 + g + 8 * k] = acc[2 * k] * 16384.0f;
     }
+    if (md.splits > 1) split_sum(md, out, rows, tile, r0, E2M1_ROWS);
 }
 
 /* Rows of a row tile of the grouped expert products (moe_gemm_kernel): a tile holds one expert's rows. */
@@ -3808,7 +3868,15 @@ static void moe_up(GpuRank *g, float *h, const MoeUp &u, int f) {
 
 /* Launches moe_down_kernel for `rows` output rows (warps a row as gemv_wpr picks for the bytes of the
  * whole width); the last wave warms L2 for `next`. */
-static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, const GMat *next) {
+/* Ranges a one-token down product's rows are cut into (MoeDown.splits): a product of `blocks` that fill
+ * at most half of the GPU's `slots` takes enough ranges to fill them about twice. On one H100
+ * (tests/test_kernels' time_moe) a Super layer with NVFP4 experts, whose routed down product over the
+ * latent 1024 rows is 64 blocks for 132 slots, took 108.3 us instead of 149.3 (4 ranges), with FP8
+ * experts 105.8 instead of 129.4; Nano's products (168 blocks for 132 slots, 672 for 1056) cut into
+ * 2 to 4 decoded slower (--bench), so they stay whole. */
+static int down_splits(int blocks, int slots) { return blocks * 2 <= slots ? std::min((int)MOE_SPLITS, 2 * slots / blocks) : 1; }
+static void moe_down(GpuRank *g, float *out, int rows, MoeDown md, const GMat *next) {
+    md.part = g->moe_part, md.cnt = g->moe_cnt;
     size_t bytes = md.k ? md.k * row_bytes(md.routed.W.fmt, md.routed.W.cols) : 0;
     for (int j = 0; j < md.nfixed; j++) bytes += row_bytes(md.fixed[j].W.fmt, md.fixed[j].W.cols);
     int fmts[3] = {0}, nf = 0;
@@ -3818,12 +3886,16 @@ static void moe_down(GpuRank *g, float *out, int rows, const MoeDown &md, const 
     if (f == DT_NVFP4) {   /* on the tensor cores */
         int spans = md.k * cdiv(md.routed.W.cols, E2M1_SPAN), warps, blocks = cdiv(rows, E2M1_ROWS);
         for (int j = 0; j < md.nfixed; j++) spans += cdiv(md.fixed[j].W.cols, E2M1_SPAN);
-        warps = e2m1_warps(spans), slots = e2m1_slots(g, warps);
+        md.splits = down_splits(blocks, e2m1_slots(g, e2m1_warps(spans)));
+        blocks *= md.splits;
+        warps = e2m1_warps(spans / md.splits), slots = e2m1_slots(g, warps);
         LAUNCH(blocks, 32 * warps, 0, g->stream, moe_down_e2m1_for(warps), out, rows,
                (const int *)g->moe_idx, md, next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
         return;
     }
     int wpr = gemv_wpr(g, rows, bytes, q), blocks = gemv_blocks(g, rows, q, wpr, &slots);
+    md.splits = q ? down_splits(blocks, slots) : 1;
+    blocks *= md.splits;
     LAUNCH(blocks, 32 * GEMV_WARPS, 0, g->stream, md.T > 1 ? moe_down_for<GEMV_TOKENS>(f) : moe_down_for<1>(f), out, rows,
            (const int *)g->moe_idx, md, wpr, next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
 }
@@ -4220,7 +4292,8 @@ static size_t bytes_needed(const Rank *r, const GpuRank *g, int *quant) {
     if (has_kind(c, K_MOE)) {   /* moe_alloc's buffers */
         size_t TK = T * c->top_k, d = c->latent ? c->latent : H;
         b += TK * (3 + pad8(s->moe) + d) * f + T * ((size_t)c->n_experts + 2 * c->latent) * f +
-             (size_t)g->dec_t * pad8(c->top_k * pad8(s->moe) + s->shared) * f;
+             (size_t)g->dec_t * pad8(c->top_k * pad8(s->moe) + s->shared) * f +
+             ((size_t)MOE_SPLITS * g->dec_t + 1) * std::max((size_t)H, (size_t)c->latent) * f;   /* moe_part, moe_cnt */
     }
     b += T * H * (f * 5 + 2) + T * (size_t)(g->proj_w + s->conv + g->y_w) * f + T * (size_t)g->act_w * 2;
     b += (size_t)gpu_shared((Rank *)r)->logit_rows * (c->vocab + s->vocab) * f + (64u << 20);  /* + cuBLAS workspace */
@@ -4248,11 +4321,15 @@ static void moe_alloc(GpuRank *g, const MoeShape *ms, int t) {
     g->moe_y = zeros(TK * ms->d);
     g->moe_z = zeros((size_t)t * ms->lat);
     g->moe_ylat = zeros((size_t)t * ms->lat);
+    int rows = std::max(ms->H, ms->lat);
+    g->moe_part = zeros((size_t)MOE_SPLITS * std::max(1, std::min(t, g->dec_t)) * rows);
+    CUDA_CHECK(cudaMalloc(&g->moe_cnt, cdiv(rows, QROWS) * sizeof(unsigned)));
+    CUDA_CHECK(cudaMemset(g->moe_cnt, 0, cdiv(rows, QROWS) * sizeof(unsigned)));
 }
 
 static void moe_free(GpuRank *g) {
     void *ptrs[] = {g->moe_idx, g->moe_done, g->moe_off, g->moe_tile, g->moe_tok, g->moe_row, g->moe_w, g->moe_logits,
-                    g->moe_h, g->moe_y, g->moe_z, g->moe_ylat};
+                    g->moe_h, g->moe_y, g->moe_z, g->moe_ylat, g->moe_part, g->moe_cnt};
     for (size_t i = 0; i < sizeof ptrs / sizeof ptrs[0]; i++) CUDA_CHECK(cudaFree(ptrs[i]));
 }
 

@@ -1897,6 +1897,7 @@ int main(int argc, char **argv) {
         test_moe_products(fmt, fmt, 10, 4, 27, 19, 56, 24, 3);
         test_moe_products(fmt, fmt, 16, 4, 200, 64, 136, 0, 300, 1);   /* one expert with most pairs: several row tiles */
         test_moe_products(fmt, fmt, 128, 6, 129, 72, 264, 0, 201, 1);  /* many experts without pairs; n one past a tile */
+        test_moe_products(fmt, fmt, 8, 2, 64, 64, 4800, 0, 1);      /* the down product's rows in one range each (132 SMs) */
     }
     /* NVFP4 experts (sizes whole 16-element blocks), alone and beside FP8 or bf16 shared experts */
     for (int fs : {DT_NVFP4, DT_FP8, DT_BF16}) {
@@ -1908,6 +1909,7 @@ int main(int argc, char **argv) {
         test_moe_products(DT_NVFP4, fs, 8, 6, 1296, 592, 528, 80, 130);
         test_moe_products(DT_NVFP4, fs, 16, 4, 208, 64, 144, 0, 300, 1);
         test_moe_products(DT_NVFP4, fs, 12, 3, 32, 48, 64, 0, 2);
+        test_moe_products(DT_NVFP4, fs, 8, 2, 64, 64, 4800, 0, 1);  /* the down product's rows in one range each (132 SMs) */
     }
     for (int fmt : {DT_F32, DT_BF16, DT_FP8}) {
         test_moe_tokens(fmt, fmt, 12, 3, 20, 36, 40, 0, 4);
