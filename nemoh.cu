@@ -3866,8 +3866,6 @@ static void moe_up(GpuRank *g, float *h, const MoeUp &u, int f) {
            u.T > 1 ? moe_up_for<GEMV_TOKENS>(f) : moe_up_for<1>(f), h, (const int *)g->moe_idx, (const float *)g->moe_w, u);
 }
 
-/* Launches moe_down_kernel for `rows` output rows (warps a row as gemv_wpr picks for the bytes of the
- * whole width); the last wave warms L2 for `next`. */
 /* Ranges a one-token down product's rows are cut into (MoeDown.splits): a product of `blocks` that fill
  * at most half of the GPU's `slots` takes enough ranges to fill them about twice. On one H100
  * (tests/test_kernels' time_moe) a Super layer with NVFP4 experts, whose routed down product over the
@@ -3875,6 +3873,10 @@ static void moe_up(GpuRank *g, float *h, const MoeUp &u, int f) {
  * experts 105.8 instead of 129.4; Nano's products (168 blocks for 132 slots, 672 for 1056) cut into
  * 2 to 4 decoded slower (--bench), so they stay whole. */
 static int down_splits(int blocks, int slots) { return blocks * 2 <= slots ? std::min((int)MOE_SPLITS, 2 * slots / blocks) : 1; }
+
+/* Launches moe_down_kernel (or moe_down_e2m1_kernel) for `rows` output rows, cut into down_splits
+ * ranges (warps a row as gemv_wpr picks for the bytes of the whole width); the last wave warms L2
+ * for `next`. */
 static void moe_down(GpuRank *g, float *out, int rows, MoeDown md, const GMat *next) {
     md.part = g->moe_part, md.cnt = g->moe_cnt;
     size_t bytes = md.k ? md.k * row_bytes(md.routed.W.fmt, md.routed.W.cols) : 0;
