@@ -4448,7 +4448,8 @@ static void bench(Engine *e, const char *model, int prompt_len, int n, int gpu) 
     }
 #endif
     printf("| nemoh --bench | |\n|---|---|\n");
-    printf("| device | %s%s, copy bandwidth %.0f GB/s (read + write, measured now) |\n", device, gpu ? "" : " (host memory)", copy);
+    if (copy > 0) printf("| device | %s%s, copy bandwidth %.0f GB/s (read + write, measured now) |\n", device, gpu ? "" : " (host memory)", copy);
+    else printf("| device | %s, copy bandwidth not measured (the model leaves under 128 MB free) |\n", device);
     printf("| model | %s |\n| tensor parallel | %d rank%s, %s |\n", model, e->n, e->n > 1 ? "s" : "", path);
     printf("| prefill | %d tokens in %.3f s: %.0f tok/s |\n", prompt_len, st.prefill_s, prompt_len / st.prefill_s);
     printf("| decode | %d tokens: %.3f ms/token, %.1f tok/s%s |\n", st.made, ms, ms > 0 ? 1e3 / ms : 0, r->spec ? " (no drafts)" : "");

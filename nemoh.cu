@@ -4577,10 +4577,14 @@ extern "C" const char *cuda_device_name(void) {
 }
 
 extern "C" double cuda_copy_gbps(void) {
-    size_t bytes = 1ull << 30;
+    size_t free_b, total_b, bytes, step = 64 << 20;
     void *a, *b;
     cudaEvent_t e0, e1;
     CUDA_CHECK(cudaSetDevice(0));
+    /* two buffers of 1 GB, or of what a model that fills the GPU leaves (0: too little to measure) */
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    bytes = std::min((size_t)1 << 30, free_b / 2 / step * step);
+    if (bytes < step) return 0;
     CUDA_CHECK(cudaMalloc(&a, bytes));
     CUDA_CHECK(cudaMalloc(&b, bytes));
     CUDA_CHECK(cudaMemset(a, 1, bytes));

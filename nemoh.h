@@ -241,7 +241,7 @@ struct Rank {
 extern const Backend cuda_backend;
 int cuda_devices(void);                         /* usable GPUs; 0 when there is no driver or device */
 const char *cuda_device_name(void);             /* GPU 0's name */
-double cuda_copy_gbps(void);                    /* GPU 0 device-to-device copy, bytes read + written, GB/s */
+double cuda_copy_gbps(void);                    /* GPU 0 device-to-device copy, bytes read + written, GB/s (0: no room) */
 size_t cuda_used_bytes(Rank *r);                /* device memory in use on this rank's GPU */
 const char *cuda_fuse_path(Rank *r);            /* which all-reduce path the layer loop's NORM_FUSED takes */
 int cuda_bench_allreduce(int n, int hidden);    /* --bench-allreduce; returns the number of failed checks */
