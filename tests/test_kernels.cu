@@ -1964,6 +1964,7 @@ int main(int argc, char **argv) {
     time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0, DT_FP8, DT_FP8);
     time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0, DT_NVFP4, DT_NVFP4);
     time_moe("nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 4096, 1024, DT_NVFP4, DT_FP8);
+    time_moe("nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 4096, 1024, DT_FP8, DT_FP8);
     for (int fmt : {DT_BF16, DT_FP8, DT_NVFP4}) time_moe("nemotron-3-nano-30b-a3b", 128, 6, 1856, 3712, 2688, 0, fmt, fmt, 2048);
     time_moe("nemotron-3-super-120b-a12b", 512, 22, 2688, 5376, 4096, 1024, DT_NVFP4, DT_FP8, 2048);
     time_chain();
