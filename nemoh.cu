@@ -3871,7 +3871,7 @@ static void moe_up(GpuRank *g, float *h, const MoeUp &u, int f) {
  * (tests/test_kernels' time_moe) a Super layer with NVFP4 experts, whose routed down product over the
  * latent 1024 rows is 64 blocks for 132 slots, took 108.3 us instead of 149.3 (4 ranges), with FP8
  * experts 105.8 instead of 129.4; Nano's products (168 blocks for 132 slots, 672 for 1056) cut into
- * 2 to 4 decoded slower (--bench), so they stay whole. */
+ * 2 to 4 decoded no faster (--bench), so they stay whole. */
 static int down_splits(int blocks, int slots) { return blocks * 2 <= slots ? std::min((int)MOE_SPLITS, 2 * slots / blocks) : 1; }
 
 /* Launches moe_down_kernel (or moe_down_e2m1_kernel) for `rows` output rows, cut into down_splits
