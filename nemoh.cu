@@ -2286,6 +2286,22 @@ __device__ __forceinline__ unsigned order_key(float f) {
     return u >> 31 ? ~u : u | 0x80000000u;
 }
 
+/* Whether this block is the last of n blocks to arrive (every thread gets the answer): a counter in
+ * global memory, which the last one resets for the next launch. The blocks' writes before the call
+ * are visible to the last one after it. */
+__device__ __forceinline__ bool last_block(unsigned *counter, unsigned n) {
+    __shared__ int last;
+    __threadfence();   /* this block's writes are visible before its count says so */
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1u) == n - 1;
+        if (last) *counter = 0;
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
+
 /* One token's choice, by the whole block, from its router logits l[E]:
  *   s = sigmoid(l);  c = s + bias;  a group scores the sum of its two largest c;  the topk_group best
  *   groups stay, the others' experts compete as -inf;  idx = the K largest c, best first;
@@ -2367,8 +2383,8 @@ __device__ void moe_select(int *idx, float *wt, const float *l, const float *bia
 }
 
 /* Decode's router in one launch, for T tokens: block e dots gate row e (fp32, its whole row in flight
- * before the wait) with each token's x; the last block to finish (a counter, which it resets for the
- * next step) chooses, token by token, from all E logits. The choice stays on the GPU: the step needs
+ * before the wait) with each token's x; the last block to finish (last_block) chooses, token by token,
+ * from all E logits. The choice stays on the GPU: the step needs
  * no host round trip and stays one graph. */
 __global__ void __launch_bounds__(ROUTE_THREADS) moe_route_kernel(int *idx, float *wt, float *logits, unsigned *done,
                                                                  const float *gate, const float *bias, const float *x, int H, int T,
@@ -2394,19 +2410,11 @@ __global__ void __launch_bounds__(ROUTE_THREADS) moe_route_kernel(int *idx, floa
         acc = block_sum(acc);
         if (threadIdx.x == 0) logits[(size_t)t * gridDim.x + blockIdx.x] = acc;
     }
-    __shared__ int last;
-    if (threadIdx.x == 0) {
-        __threadfence();   /* the logits are visible before the count says so */
-        last = atomicAdd(done, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block(done, gridDim.x)) return;
     for (int t = 0; t < T; t++) {
         moe_select(idx + (size_t)t * rt.K, wt + (size_t)t * rt.K, logits + (size_t)t * gridDim.x, bias, rt);
         __syncthreads();   /* the choice is read before the next token's overwrites its scratch */
     }
-    if (threadIdx.x == 0) *done = 0;
 }
 
 /* A prompt's choices, a block per token, from logits cuBLAS computed. */
@@ -2559,13 +2567,7 @@ typedef struct {
  * its range's sums in md.part; the tile's last block to finish adds them in the order of the ranges
  * into out, so each token's sums are the same however many tokens the step has. */
 __device__ void split_sum(const MoeDown &md, float *out, int rows, int tile, int r0, int n) {
-    __shared__ int last;
-    __threadfence();   /* this block's sums are visible before its count says so */
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(md.cnt + tile, 1u) == (unsigned)md.splits - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block(md.cnt + tile, md.splits)) return;
     for (int i = threadIdx.x; i < md.T * n; i += blockDim.x) {
         int t = i / n, r = r0 + i % n;
         if (r >= rows) continue;
@@ -2573,7 +2575,6 @@ __device__ void split_sum(const MoeDown &md, float *out, int rows, int tile, int
         for (int y = 0; y < md.splits; y++) s += __ldcg(md.part + ((size_t)y * md.T + t) * rows + r);
         out[(size_t)t * md.ldo + r] = s;
     }
-    if (threadIdx.x == 0) md.cnt[tile] = 0;
 }
 
 /* Segment j (< k + nfixed) of a token's row: its matrix, the first row of it that is the segment's,
