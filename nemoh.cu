@@ -2302,7 +2302,7 @@ __device__ __forceinline__ bool last_block(unsigned *counter, unsigned n) {
     return last;
 }
 
-/* One token's choice, by the whole block, from its router logits l[E]:
+/* One token's choice, by the whole block (then its first warp), from its router logits l[E]:
  *   s = sigmoid(l);  c = s + bias;  a group scores the sum of its two largest c;  the topk_group best
  *   groups stay, the others' experts compete as -inf;  idx = the K largest c, best first;
  *   wt = s[idx] (/ (sum + 1e-20) if norm) * scale.
@@ -2310,7 +2310,7 @@ __device__ __forceinline__ bool last_block(unsigned *counter, unsigned n) {
  * counted, not sorted (an expert's slot is the number of experts that beat it), so the choice is a
  * function of the logits alone: every tensor-parallel rank,
  * given the same reduced input, picks the same experts in the same order. */
-__device__ void moe_select(int *idx, float *wt, const float *l, const float *bias, MoeRoute rt) {
+__device__ __forceinline__ void moe_select(int *idx, float *wt, const float *l, const float *bias, MoeRoute rt) {
     __shared__ float s[MOE_MAX_EXPERTS], c[MOE_MAX_EXPERTS];
     __shared__ int pick[MOE_MAX_TOPK];
     int per = rt.E / rt.n_group;
@@ -2340,45 +2340,58 @@ __device__ void moe_select(int *idx, float *wt, const float *l, const float *bia
         for (int e = threadIdx.x; e < rt.E; e += blockDim.x) if (!kept[e / per]) c[e] = -INFINITY;
         __syncthreads();
     }
-    /* Many experts (Super's 512): first kth = the K-th largest key, by bisection on its bits (the largest
-       value with at least K keys at or above it; a count is one block-wide barrier), then the ranks
-       among the experts at or above it, about K of them. On one H100 a Super layer's router took 16.9
-       us instead of 28.4 counting all E^2; Nano's 128 experts took 3 us more that way, so count all. */
-    __shared__ unsigned key[MOE_MAX_EXPERTS];   /* c as order keys: a total order (see order_key) */
-    for (int e = threadIdx.x; e < rt.E; e += blockDim.x) key[e] = order_key(c[e]);
-    __syncthreads();
-    __shared__ int cand[MOE_MAX_EXPERTS], n_cand;
-    int many = rt.E > 256, nc = rt.E;   /* candidates: every expert, or (many) those at or above kth */
-    if (many) {
-        unsigned kth = 0;
-        for (int bit = 31; bit >= 0; bit--) {
-            unsigned t = kth | 1u << bit;
-            int n = 0;
-            for (int e0 = 0; e0 < rt.E; e0 += blockDim.x) n += __syncthreads_count(e0 + (int)threadIdx.x < rt.E && key[e0 + threadIdx.x] >= t);
-            if (n >= rt.K) kth = t;
-        }
-        if (threadIdx.x == 0) n_cand = 0;
-        __syncthreads();
-        for (int e = threadIdx.x; e < rt.E; e += blockDim.x)
-            if (key[e] >= kth) cand[atomicAdd(&n_cand, 1)] = e;
-        __syncthreads();
-        nc = n_cand;
+    /* Warp 0 alone from here: a lane holds the keys (c as order keys, a total order) of experts lane,
+       lane + 32, ...; a count over all of them is one warp reduction, where a block-wide count was a
+       barrier. kth = the K-th largest key, by bisection on its bits below those all keys share (the
+       largest value with at least K keys at or above it; a count of exactly K ends it early), then
+       the ranks among the keys at or above it, about K of them. */
+    if (threadIdx.x >= 32) return;
+    __shared__ int cand[MOE_MAX_EXPERTS];
+    __shared__ unsigned ckey[MOE_MAX_EXPERTS];
+    enum { KPL = MOE_MAX_EXPERTS / 32 };
+    int lane = threadIdx.x, nk = cdiv(rt.E, 32);
+    unsigned key[KPL], hi = 0, lo = ~0u;
+#pragma unroll
+    for (int i = 0; i < KPL && i < nk; i++) {
+        int e = lane + 32 * i;
+        key[i] = e < rt.E ? order_key(c[e]) : 0;   /* 0: no expert, below every count's threshold */
+        if (e < rt.E) hi = max(hi, key[i]), lo = min(lo, key[i]);
     }
-    for (int i = threadIdx.x; i < nc; i += blockDim.x) {
-        int e = many ? cand[i] : i, rank = 0;
-        for (int j = 0; j < nc; j++) {
-            int f = many ? cand[j] : j;
-            rank += key[f] > key[e] || (key[f] == key[e] && f < e);
+    hi = __reduce_max_sync(~0u, hi), lo = __reduce_min_sync(~0u, lo);
+    int top = hi == lo ? -1 : 31 - __clz(hi ^ lo);
+    unsigned kth = top < 0 ? hi : hi & ~(unsigned)((2ull << top) - 1);   /* every key is at or above it */
+    for (int bit = top; bit >= 0; bit--) {
+        unsigned t = kth | 1u << bit;
+        int n = 0;
+#pragma unroll
+        for (int i = 0; i < KPL && i < nk; i++) n += key[i] >= t;
+        n = __reduce_add_sync(~0u, n);
+        if (n >= rt.K) kth = t;
+        if (n == rt.K) break;
+    }
+    int nc = 0;   /* the candidates, key[e] >= kth, into cand and ckey */
+#pragma unroll
+    for (int i = 0; i < KPL && i < nk; i++) {
+        int e = lane + 32 * i, in = e < rt.E && key[i] >= kth;
+        unsigned m = __ballot_sync(~0u, in);
+        if (in) {
+            int at = nc + __popc(m & ((1u << lane) - 1));
+            cand[at] = e, ckey[at] = key[i];
         }
+        nc += __popc(m);
+    }
+    __syncwarp();
+    for (int i = lane; i < nc; i += 32) {
+        int e = cand[i], rank = 0;
+        for (int j = 0; j < nc; j++) rank += ckey[j] > ckey[i] || (ckey[j] == ckey[i] && cand[j] < e);
         if (rank < rt.K) pick[rank] = e;
     }
-    __syncthreads();
-    if (threadIdx.x < rt.K) {
-        float sum = 0, w = s[pick[threadIdx.x]];
-        for (int k = 0; k < rt.K; k++) sum += s[pick[k]];
+    __syncwarp();
+    float w = lane < rt.K ? s[pick[lane]] : 0.0f, sum = warp_sum(w);
+    if (lane < rt.K) {
         if (rt.norm) w /= sum + 1e-20f;
-        idx[threadIdx.x] = pick[threadIdx.x];
-        wt[threadIdx.x] = w * rt.scale;
+        idx[lane] = pick[lane];
+        wt[lane] = w * rt.scale;
     }
 }
 

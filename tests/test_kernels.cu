@@ -813,7 +813,9 @@ static void ref_route(const double *l, const std::vector<float> &bias, MoeRoute 
 /* The router for T tokens (T = 1: decode's one launch, run twice to see its counter reset; else
  * cuBLAS logits + a block a token) against ref_route. ties 1: experts 2 and 3 have the same gate row
  * and bias, raised so they are chosen: 2 must come first. ties 2: the last group copies group 1
- * (rows and biases), both raised above the rest, so with topk_group 1 only group 1 may be chosen. */
+ * (rows and biases), both raised above the rest, so with topk_group 1 only group 1 may be chosen.
+ * ties 3: every gate row is row 0 and every bias equal but the last K - 1 experts', raised: they
+ * come first, and slot K - 1 goes to expert 0 of the E - K + 1 tied. */
 static void test_moe_router(int E, int K, int n_group, int topk_group, int norm, float scale, int hidden, int T, int ties) {
     MoeRoute rt = {E, K, n_group, topk_group, norm, scale};
     int per = E / n_group;
@@ -829,6 +831,11 @@ static void test_moe_router(int E, int K, int n_group, int topk_group, int norm,
             for (int i = 0; i < hidden; i++) gate[((size_t)(n_group - 1) * per + e) * hidden + i] = gate[((size_t)per + e) * hidden + i];
         }
     }
+    if (ties == 3)
+        for (int e = 0; e < E; e++) {
+            for (int i = 0; i < hidden; i++) gate[(size_t)e * hidden + i] = gate[i];
+            bias[e] = e >= E - K + 1 ? 1.0f + 0.01f * e : 0.01f;
+        }
     GLayer L;
     memset(&L, 0, sizeof L);
     L.gate = dev_copy(gate);
@@ -862,9 +869,12 @@ static void test_moe_router(int E, int K, int n_group, int topk_group, int norm,
         }
         if (ties == 1) for (int t = 0; t < T; t++) wrong += got[(size_t)t * K] != 2 || got[(size_t)t * K + 1] != 3;
         if (ties == 2) for (size_t i = 0; i < got.size(); i++) wrong += got[i] / per != 1;
+        if (ties == 3)
+            for (int t = 0; t < T; t++)
+                for (int k = 0; k < K; k++) wrong += got[(size_t)t * K + k] != (k < K - 1 ? E - 1 - k : 0);
         char what[160];
         snprintf(what, sizeof what, "router %s: %d experts top %d, groups %d keep %d, norm %d%s: logits", T == 1 ? "decode" : "prompt", E,
-                 K, n_group, topk_group, norm, ties == 1 ? ", tied experts" : ties == 2 ? ", tied groups" : "");
+                 K, n_group, topk_group, norm, ties == 1 ? ", tied experts" : ties == 2 ? ", tied groups" : ties == 3 ? ", the K-th of many tied" : "");
         expect(what, host_copy(g.moe_logits, l.size()), l, 1e-5);
         snprintf(what, sizeof what, "... %d token%s: chosen experts, in order, unlike float64's", T, T > 1 ? "s" : "");
         expect_int(what, wrong, 0);
@@ -1882,6 +1892,11 @@ int main(int argc, char **argv) {
     test_moe_router(128, 6, 1, 1, 1, 2.5f, 2688, 1, 0);    /* nemotron-3-nano-30b-a3b */
     test_moe_router(128, 6, 1, 1, 1, 2.5f, 2688, 20, 0);
     test_moe_router(512, 22, 1, 1, 1, 5.0f, 4096, 1, 0);   /* nemotron-3-super-120b-a12b */
+    test_moe_router(512, 22, 1, 1, 1, 5.0f, 4096, 3, 1);
+    test_moe_router(512, 22, 1, 1, 1, 5.0f, 200, 1, 3);
+    test_moe_router(128, 6, 1, 1, 1, 2.5f, 200, 2, 3);
+    test_moe_router(1000, 32, 8, 3, 1, 1.0f, 72, 4, 0);    /* the most experts and slots */
+    test_moe_router(1000, 1, 1, 1, 0, 1.0f, 72, 1, 3);
     for (int fmt : {DT_F32, DT_BF16, DT_FP8}) {
         test_moe_products(fmt, fmt, 12, 3, 20, 36, 40, 0, 1);
         test_moe_products(fmt, fmt, 10, 4, 27, 19, 56, 24, 1);   /* latent */
