@@ -3880,17 +3880,32 @@ static void moe_up(GpuRank *g, float *h, const MoeUp &u, int f) {
            u.T > 1 ? moe_up_for<GEMV_TOKENS>(f) : moe_up_for<1>(f), h, (const int *)g->moe_idx, (const float *)g->moe_w, u);
 }
 
-/* Ranges a one-token down product's rows are cut into (MoeDown.splits): a product of `blocks` that fill
- * at most half of the GPU's `slots` takes enough ranges to fill them about twice. On one H100
- * (tests/test_kernels' time_moe) a Super layer with NVFP4 experts, whose routed down product over the
- * latent 1024 rows is 64 blocks for 132 slots, took 108.3 us instead of 149.3 (4 ranges), with FP8
- * experts 105.8 instead of 129.4; Nano's products (168 blocks for 132 slots, 672 for 1056) cut into
- * 2 to 4 decoded no faster (--bench), so they stay whole. */
+/* Ranges a one-token quantized down product's rows are cut into (MoeDown.splits): a product of
+ * `blocks` that fill at most half of the GPU's `slots` takes enough ranges to fill them about twice.
+ * On one H100 (tests/test_kernels' time_moe) a Super layer with FP8 experts, whose routed down product
+ * over the latent 1024 rows filled half the slots, took 105.8 us instead of 129.4; Nano's FP8
+ * products cut into 2 to 4 decoded slower (--bench, 2.33 to 2.38 against 2.26 ms/token), so they
+ * stay whole. */
 static int down_splits(int blocks, int slots) { return blocks * 2 <= slots ? std::min((int)MOE_SPLITS, 2 * slots / blocks) : 1; }
 
+/* The same for the NVFP4 tensor-core form, `tiles` row tiles of `spans` spans a row: of the cuts whose
+ * blocks (e2m1_warps of their ranges' spans) fit in one wave, the fewest that keep the most warps
+ * busy. On one H100 (--bench) Nano's, 168 tiles of 119 spans, takes 6 ranges of 2 warps (1008
+ * blocks for 1056 slots): 2.05 ms/token against 2.10 whole, 2.13 at 4 ranges, 2.15 at 8. Super's
+ * routed one, 64 tiles of 462 spans, takes 4 of 8 warps: 7.07 ms/token against 7.22 at 8 ranges
+ * (down_splits' count). */
+static int e2m1_splits(const GpuRank *g, int tiles, int spans) {
+    int best = 1, fill = 0;
+    for (int s = 1; s <= std::min((int)MOE_SPLITS, spans); s++) {
+        int warps = e2m1_warps(spans / s);
+        if (tiles * s <= e2m1_slots(g, warps) && tiles * s * warps > fill) best = s, fill = tiles * s * warps;
+    }
+    return best;
+}
+
 /* Launches moe_down_kernel (or moe_down_e2m1_kernel) for `rows` output rows, cut into down_splits
- * ranges (warps a row as gemv_wpr picks for the bytes of the whole width); the last wave warms L2
- * for `next`. */
+ * (e2m1_splits) ranges (warps a row as gemv_wpr picks for the bytes of the whole width); the last
+ * wave warms L2 for `next`. */
 static void moe_down(GpuRank *g, float *out, int rows, MoeDown md, const GMat *next) {
     md.part = g->moe_part, md.cnt = g->moe_cnt;
     size_t bytes = md.k ? md.k * row_bytes(md.routed.W.fmt, md.routed.W.cols) : 0;
@@ -3902,7 +3917,7 @@ static void moe_down(GpuRank *g, float *out, int rows, MoeDown md, const GMat *n
     if (f == DT_NVFP4) {   /* on the tensor cores */
         int spans = md.k * cdiv(md.routed.W.cols, E2M1_SPAN), warps, blocks = cdiv(rows, E2M1_ROWS);
         for (int j = 0; j < md.nfixed; j++) spans += cdiv(md.fixed[j].W.cols, E2M1_SPAN);
-        md.splits = down_splits(blocks, e2m1_slots(g, e2m1_warps(spans)));
+        md.splits = e2m1_splits(g, blocks, spans);
         blocks *= md.splits;
         warps = e2m1_warps(spans / md.splits), slots = e2m1_slots(g, warps);
         LAUNCH(blocks, 32 * warps, 0, g->stream, moe_down_e2m1_for(warps), out, rows,
