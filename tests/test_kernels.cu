@@ -1010,8 +1010,9 @@ static void test_moe_products(int fe, int fs, int E, int K, int m, int S, int hi
        fc2 that reached 1.2e-3 of the largest output on one seed; without, on a skewed NVFP4 prompt of
        300 tokens, where most of the 250k rounded h values meet one expert, 1.02e-3 (seed 2475793712)
        and 2.40e-3 (seed 1480456781). A decoded token's NVFP4 inputs, rounded to bf16, meet the same
-       boundaries, rarely (a flip moves one of an output's terms by a bf16 ulp): 3.4e-7 at most on an H100 */
-    expect(what, host_copy(out, ref.size()), ref, rb ? 4e-3 : tcu || tcr || tcs ? 1e-3 : 2e-5);
+       boundaries, rarely (a flip moves one of an output's terms by a bf16 ulp): 3.4e-7 without one on
+       an H100, 1.61e-3 with one where an output has only 192 terms (8 experts top 2, 64 rows, shared 64) */
+    expect(what, host_copy(out, ref.size()), ref, rb || tcu || tcr || tcs ? 4e-3 : 2e-5);
     if (T > 1) {   /* the grouping: each expert's rows contiguous, in (token, slot) order within it; its row tiles */
         std::vector<int> off(E + 1), tile(E + 1), tok((size_t)T * K), row((size_t)T * K), cnt(E, 0), seen(E, -1);
         CUDA_CHECK(cudaMemcpy(off.data(), g.moe_off, off.size() * sizeof(int), cudaMemcpyDeviceToHost));
