@@ -847,26 +847,18 @@ __device__ __forceinline__ void rows_load(Piece (&v)[R], const char *const (&row
 
 /* This lane's part of R rows' dots with x_t of `cols` elements (before the rows' scales), element k
  * of token t weighed by sc(t, k), added to acc[t][q] (tokens as row_dot's): pieces c, c + st, ...,
- * v holding the first (rows_load). Each row's next AHEAD pieces are in flight while this one's math
- * runs. */
-template <int FMT, int R, int NT, int AHEAD = 1, typename Scale>
+ * v holding the first (rows_load). Each row's next piece is in flight while this one's math runs. */
+template <int FMT, int R, int NT, typename Scale>
 __device__ __forceinline__ void rows_dot(float (&acc)[NT][R], const char *const (&row)[R], const uint8_t *const (&bs)[R], const float *x,
                                          size_t ldx, int nt, int cols, int c, int st, Piece (&v)[R], Scale sc) {
     constexpr int per = fmt_per(FMT);
     int nvec = cols / per, first = c;
-    Piece w[R];   /* AHEAD 2: the piece after v's */
-    if (AHEAD == 2)
-#pragma unroll
-        for (int q = 0; q < R; q++) w[q] = c + st < nvec ? piece_load<FMT>((const uint4 *)row[q], bs[q], c + st) : Piece{make_uint4(0, 0, 0, 0), 0};
     for (; c < nvec; c += st) {
         Piece u[R];
 #pragma unroll
         for (int q = 0; q < R; q++) {
             u[q] = v[q];
-            if (AHEAD == 2) {
-                v[q] = w[q];
-                if (c + 2 * st < nvec) w[q] = piece_load<FMT>((const uint4 *)row[q], bs[q], c + 2 * st);
-            } else if (c + st < nvec) v[q] = piece_load<FMT>((const uint4 *)row[q], bs[q], c + st);
+            if (c + st < nvec) v[q] = piece_load<FMT>((const uint4 *)row[q], bs[q], c + st);
         }
 #pragma unroll
         for (int t = 0; t < NT; t++) {
@@ -909,8 +901,13 @@ static int fmt_class(const int *fmt, int n) {
 }
 
 /* Blocks an SM holds of a one-token product's kernel: the quantized ones read QROWS rows a warp and
- * need more registers than 16 blocks of two warps leave (64), so they take 8. */
+ * need more registers than 16 blocks of two warps leave (64), so the expert kernels take 8 and the
+ * dense one (gemv_q_kernel) 12, with one piece of each row in flight: on one H100 (--bench, two
+ * calls) the 8B FP8 decode took 3.34, 3.34 and 3.33, 3.30 ms/token that way against 3.38, 3.38 and
+ * 3.34, 3.36 at 8 blocks with two pieces in flight (12 blocks with two: 3.42, 3.43). Waves are still
+ * counted at 8 blocks an SM (gemv_blocks): counting 12 measured the same. */
 __host__ __device__ constexpr int gemv_min_blocks(int fmt) { return fmt == DT_F32 || fmt == DT_BF16 ? 16 : 8; }
+enum { GEMV_Q_BLOCKS = 12 };
 
 /* Blocks of two warps: as a product's last blocks drain, the next kernel's blocks take the freed
  * slots in small steps. Tuned on H200: blocks of 8, 4 and 1 warps are slower, and so is the code the
@@ -1012,7 +1009,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? 16 : 8) gemv_kernel
  * warp takes QROWS rows (rows_dot), wpr warps the same rows (each every wpr-th piece, summed through
  * shared memory: matrices of few rows fill the GPU); their first pieces before the wait. */
 template <int FMT, int EPI, int NT>
-__global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT) : 4) gemv_q_kernel(const __grid_constant__ GemvArgs a) {
+__global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? GEMV_Q_BLOCKS : 4) gemv_q_kernel(const __grid_constant__ GemvArgs a) {
     const GroupScale gs = a.gs;
     int rows = a.W.rows, cols = a.W.cols, lane = threadIdx.x & 31, T = NT == 1 ? 1 : a.T, nvec = cols / fmt_per(FMT), ty = blockIdx.y;
     int warp = threadIdx.x >> 5, wpr = a.wpr, part = warp % wpr, c = part * 32 + lane;
@@ -1035,9 +1032,7 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(FMT
         if (EPI == EPI_GNORM) group_scales<32 * GEMV_WARPS, NT>(gsum, gs, cols, t0 + ty, nt);
         auto sc = [&](int t, int k) { return EPI == EPI_GNORM ? gsum[t * GNORM_PARTS + k / gs.gsize * gs.parts] : 1.0f; };
         float acc[NT][QROWS] = {}, mine[NT] = {};   /* lane q keeps row q's sums */
-        /* two pieces a row in flight: on one H100 the 8B FP8 decode took 3.38 ms/token against 3.42 with one
-           (the expert kernels keep one: more loads in flight were slower there, bench/RESULTS.md) */
-        rows_dot<FMT, QROWS, NT, 2>(acc, wr, br, a.x + (size_t)(t0 + ty) * a.ldx, a.ldx, nt, cols, c, 32 * wpr, v, sc);
+        rows_dot<FMT, QROWS, NT>(acc, wr, br, a.x + (size_t)(t0 + ty) * a.ldx, a.ldx, nt, cols, c, 32 * wpr, v, sc);
         if (t0 + NT >= T && ty == (int)gridDim.y - 1 && (int)blockIdx.x >= a.warm_from) l2_warm(a.warm, a.warm_n, blockIdx.x - a.warm_from, gridDim.x - a.warm_from);
         rows_sum<NT>(mine, acc, red, wpr);
         if (lane < QROWS && row0 + lane < rows && !part)
