@@ -2585,6 +2585,22 @@ __device__ void split_sum(const MoeDown &md, float *out, int rows, int tile, int
     }
 }
 
+/* A token's row of a down product as its segments side by side, in units of unit(fmt) elements
+ * (16-byte pieces, NVFP4 spans): at[j] = segment j's first unit, at[k + nfixed] = all of them
+ * (thread 0 writes them, the block waits); [lo, hi) = range y of md.splits. */
+template <typename Unit> __device__ void seg_starts(int *at, int &lo, int &hi, const MoeDown &md, int y, Unit unit) {
+    int n = md.k + md.nfixed;
+    if (threadIdx.x == 0) {
+        at[0] = 0;
+        for (int j = 0; j < n; j++) {
+            const GMat &W = j < md.k ? md.routed.W : md.fixed[j - md.k].W;
+            at[j + 1] = at[j] + cdiv(W.cols, unit(W.fmt));
+        }
+    }
+    __syncthreads();
+    lo = (int)((long)at[n] * y / md.splits), hi = (int)((long)at[n] * (y + 1) / md.splits);
+}
+
 /* Segment j (< k + nfixed) of a token's row: its matrix, the first row of it that is the segment's,
  * and its input. */
 typedef struct {
@@ -2632,12 +2648,8 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? gemv_min_blocks(F) 
         int per_tile = GEMV_WARPS / wpr * QROWS, tiles = cdiv(rows, per_tile), tile = blockIdx.x % tiles, y = blockIdx.x / tiles;
         int row0 = tile * per_tile + warp / wpr * QROWS;
         __shared__ int pre[MOE_SEGS + 1];   /* the first piece of each segment */
-        if (threadIdx.x == 0) {
-            pre[0] = 0;
-            for (int j = 0; j < n; j++) pre[j + 1] = pre[j] + cdiv(mat[j]->cols, fmt_per(mat[j]->fmt));
-        }
-        __syncthreads();
-        int lo = (int)((long)pre[n] * y / md.splits), hi = (int)((long)pre[n] * (y + 1) / md.splits);
+        int lo, hi;
+        seg_starts(pre, lo, hi, md, y, [](int fmt) { return fmt_per(fmt); });
         /* segment j's part of this block's range: columns c0 .. c1 - 1 (none where c0 >= c1) */
         auto range = [&](int j, int &c0, int &c1) {
             int per = fmt_per(mat[j]->fmt);
@@ -2816,17 +2828,11 @@ template <int WARPS>
 __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_down_e2m1_kernel(float *out, int rows, const int *idx,
                                                                                const __grid_constant__ MoeDown md, const void *warm,
                                                                                size_t warm_n, int warm_from) {
+    int tiles = cdiv(rows, E2M1_ROWS), tile = blockIdx.x % tiles, y = blockIdx.x / tiles, lo, hi;   /* [lo, hi): this block's spans */
     __shared__ int seg[MOE_SEGS + 1];
-    int n = md.k + md.nfixed;
-    if (threadIdx.x == 0) {
-        seg[0] = 0;
-        for (int j = 0; j < n; j++) seg[j + 1] = seg[j] + cdiv(j < md.k ? md.routed.W.cols : md.fixed[j - md.k].W.cols, E2M1_SPAN);
-    }
-    __syncthreads();
-    int tiles = cdiv(rows, E2M1_ROWS), tile = blockIdx.x % tiles, y = blockIdx.x / tiles;
+    seg_starts(seg, lo, hi, md, y, [](int) { return (int)E2M1_SPAN; });
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, r0 = tile * E2M1_ROWS;
     int ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1), tk = 0;
-    int lo = (int)((long)seg[n] * y / md.splits), hi = (int)((long)seg[n] * (y + 1) / md.splits);   /* this block's spans */
     struct View {   /* token tk's segment as this lane sees it: its rows, input and width */
         GRow a, b;
         const float *x;
