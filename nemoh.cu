@@ -2392,8 +2392,8 @@ __device__ __forceinline__ void moe_select(int *idx, float *wt, const float *l, 
 
 /* Decode's router in one launch, for T tokens: block e dots gate row e (fp32, its whole row in flight
  * before the wait) with each token's x; the last block to finish (last_block) chooses, token by token,
- * from all E logits. The choice stays on the GPU: the step needs
- * no host round trip and stays one graph. */
+ * from all E logits. The choice stays on the GPU: the step needs no host round trip and stays one
+ * graph. */
 __global__ void __launch_bounds__(ROUTE_THREADS) moe_route_kernel(int *idx, float *wt, float *logits, unsigned *done,
                                                                  const float *gate, const float *bias, const float *x, int H, int T,
                                                                  MoeRoute rt) {
