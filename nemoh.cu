@@ -1054,7 +1054,11 @@ __global__ void __launch_bounds__(32 * GEMV_WARPS, NT == 1 ? GEMV_Q_BLOCKS : 4) 
  * least 2^-24), with x rounded to bf16 (W4A16, as a prompt's products), so a span's sum comes out
  * times 2^-14. Each span's sums are added, weighed by the group scale of EPI_GNORM (a group is whole
  * spans, gnorm_folds), into the row's; column n of the mma is token n, the same sums whatever the
- * others. */
+ * others. A one-token block first stages its x in shared memory as bf16 pairs (e2m1_stage; the dense
+ * and up products up to E2M1_XS columns, the down product its range), every column the token's: a
+ * lane then reads a span's pairs in four loads, where converting them cost a warp 24 instructions
+ * with four lanes of 32 at work (the kernels issue instructions on about 55% of cycles: Nsight
+ * Compute, bench/RESULTS.md). */
 enum { E2M1_ROWS = 16, E2M1_SPAN = 128, E2M1_TOKENS = 8 };
 
 /* Elements of a row a decoded product of format fmt weighs by one group scale (EPI_GNORM): a 16-byte
@@ -1118,6 +1122,36 @@ __device__ __forceinline__ void e2m1_x(uint32_t (&xb)[16], const float *x, int e
     }
 }
 
+/* Spans [lo, hi) of one token's x as e2m1_x lays them out, staged for a block's warps: span s's 64
+ * words at xs + 64 (s - lo), chunk c's 16 of them at 16 c; at(s, &x, &e, &cols) gives the x span s
+ * reads, its first element and its row's end (zeros past it; whole 16-element blocks). */
+enum { E2M1_XS = 4096 };   /* the widest x the dense and up kernels stage (8 KB) */
+template <typename At> __device__ __forceinline__ void e2m1_stage(uint32_t *xs, int lo, int hi, At at) {
+    for (int q = threadIdx.x; q < (hi - lo) * 16; q += blockDim.x) {   /* 8 elements: 4 words */
+        const float *x;
+        int e, cols;
+        at(lo + q / 16, x, e, cols);
+        e += 8 * (q % 16);
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (e < cols) {
+            float4 p = *(const float4 *)(x + e), r = *(const float4 *)(x + e + 4);
+            v = make_uint4(pack_bf16(p.x, r.x), pack_bf16(p.y, r.y), pack_bf16(p.z, r.z), pack_bf16(p.w, r.w));
+        }
+        ((uint4 *)xs)[q] = v;
+    }
+    __syncthreads();
+}
+
+/* xb of element e (a chunk's start) from a staged x, every column the same token's. */
+__device__ __forceinline__ void e2m1_xs(uint32_t (&xb)[16], const uint32_t *xs, int e) {
+    const uint4 *p = (const uint4 *)(xs + e / 2);
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        uint4 v = p[m];
+        xb[4 * m] = v.x, xb[4 * m + 1] = v.y, xb[4 * m + 2] = v.z, xb[4 * m + 3] = v.w;
+    }
+}
+
 /* d += a span's 16 rows (each lane's chunk: rows g and g + 8) times its x (xb, column n = token n),
  * times 2^-14 (see gemv_e2m1_kernel). */
 __device__ __forceinline__ void e2m1_mma(float (&d)[4], const E2m1Chunk &c, const uint32_t (&xb)[16]) {
@@ -1154,6 +1188,9 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) gemv_e2m1_kernel(const
     pdl_wait();
     __shared__ float gsum[EPI == EPI_GNORM ? E2M1_TOKENS * GNORM_PARTS : 1];
     __shared__ float red[WARPS][32][4];
+    __shared__ __align__(16) uint32_t xs[E2M1_XS / 2];
+    int staged = T == 1 && cols <= E2M1_XS;
+    if (staged) e2m1_stage(xs, 0, spans, [&](int s, const float *&x, int &e, int &c) { x = a.x, e = s * E2M1_SPAN, c = cols; });
     for (int t0 = 0; t0 < T; t0 += E2M1_TOKENS) {
         int nt = min((int)E2M1_TOKENS, T - t0);
         if (t0) {   /* the round before is done with gsum and red */
@@ -1166,7 +1203,8 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) gemv_e2m1_kernel(const
         for (int s = warp; s < spans; s += WARPS) {
             E2m1Chunk nxt = load(s + WARPS);
             uint32_t xb[16] = {};
-            if (g < nt) e2m1_x(xb, x, s * E2M1_SPAN + 32 * t, cols);
+            if (staged) e2m1_xs(xb, xs, s * E2M1_SPAN + 32 * t);
+            else if (g < nt) e2m1_x(xb, x, s * E2M1_SPAN + 32 * t, cols);
             float d[4] = {0, 0, 0, 0};
             e2m1_mma(d, cur, xb);
 #pragma unroll
@@ -2567,6 +2605,7 @@ typedef struct {
     int nfixed;
     int T, ldo;                 /* tokens; floats between two tokens' outputs */
     int splits;                 /* ranges a row's segments are cut into, a block each (1: none) */
+    int xs;                     /* NVFP4: a block stages its range's x in shared memory (1) or each warp reads it */
     float *part;                /* [splits, T, rows] each range's sums (splits > 1) */
     unsigned *cnt;              /* [row tiles] blocks of a tile done (the last one adds, then resets it) */
 } MoeDown;
@@ -2793,6 +2832,12 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_up_e2m1_kernel(flo
     }
     float w = shared ? 1.0f : wt[p];
     __shared__ float red[WARPS][32][4];
+    __shared__ __align__(16) uint32_t xs[E2M1_XS / 2];
+    int staged = (!shared || u.T == 1) && cols <= E2M1_XS;
+    if (staged) {
+        const float *xt = in.x + (size_t)(shared ? 0 : tok) * in.ldx;
+        e2m1_stage(xs, 0, spans, [&](int s, const float *&x, int &e, int &c) { x = xt, e = s * E2M1_SPAN, c = cols; });
+    }
     for (int t0 = 0; t0 < (shared ? u.T : 1); t0 += E2M1_TOKENS) {
         int nt = shared ? min((int)E2M1_TOKENS, u.T - t0) : 1;
         if (t0) {   /* the round before is done with red */
@@ -2804,7 +2849,8 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_up_e2m1_kernel(flo
         for (int s = warp; s < spans; s += WARPS) {
             E2m1Chunk nxt = load(s + WARPS);
             uint32_t xb[16] = {};
-            if (g < nt) e2m1_x(xb, x, s * E2M1_SPAN + 32 * t, cols);
+            if (staged) e2m1_xs(xb, xs, s * E2M1_SPAN + 32 * t);
+            else if (g < nt) e2m1_x(xb, x, s * E2M1_SPAN + 32 * t, cols);
             e2m1_mma(acc, cur, xb);
             cur = nxt;
         }
@@ -2857,10 +2903,19 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_down_e2m1_kernel(f
     E2m1Chunk cur = load(lo + warp);
     pdl_wait();
     __shared__ float red[WARPS][32][4];
+    extern __shared__ __align__(16) uint32_t xs_down[];
     for (; tk < md.T; tk++) {
-        if (tk) {   /* the token before is done with red */
+        if (tk) {   /* the token before is done with red and xs_down */
             __syncthreads();
             lj = cj = 0, lv = cv = view(0), cur = load(lo + warp);
+        }
+        if (md.xs) {
+            int j = 0;
+            e2m1_stage(xs_down, lo, hi, [&](int s, const float *&x, int &e, int &c) {
+                while (s >= seg[j + 1]) j++;
+                const MoeIn &in = j < md.k ? md.routed : md.fixed[j - md.k];
+                x = in.x + (size_t)tk * in.ldx + (j < md.k ? (size_t)j * md.xstep : 0), e = (s - seg[j]) * E2M1_SPAN, c = in.W.cols;
+            });
         }
         float acc[4] = {0, 0, 0, 0};
         for (int s = lo + warp; s < hi; s += WARPS) {
@@ -2870,7 +2925,8 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_down_e2m1_kernel(f
                 cv = view(cj);
             }
             uint32_t xb[16] = {};
-            if (g == 0) e2m1_x(xb, cv.x, (s - seg[cj]) * E2M1_SPAN + 32 * t, cv.cols);
+            if (md.xs) e2m1_xs(xb, xs_down, (s - lo) * E2M1_SPAN + 32 * t);
+            else if (g == 0) e2m1_x(xb, cv.x, (s - seg[cj]) * E2M1_SPAN + 32 * t, cv.cols);
             float d[4] = {0, 0, 0, 0};
             e2m1_mma(d, cur, xb);
             acc[0] += d[0] * cv.a.scale, acc[2] += d[2] * cv.b.scale;
@@ -3921,7 +3977,9 @@ static void moe_down(GpuRank *g, float *out, int rows, MoeDown md, const GMat *n
         md.splits = e2m1_splits(g, blocks, spans);
         blocks *= md.splits;
         warps = e2m1_warps(spans / md.splits), slots = e2m1_slots(g, warps);
-        LAUNCH(blocks, 32 * warps, 0, g->stream, moe_down_e2m1_for(warps), out, rows,
+        size_t xs = (size_t)cdiv(spans, md.splits) * E2M1_SPAN * sizeof(bf16);   /* a block's x, staged */
+        md.xs = xs <= std::min(48 << 10, (200 << 10) * warps / 16);
+        LAUNCH(blocks, 32 * warps, md.xs ? xs : 0, g->stream, moe_down_e2m1_for(warps), out, rows,
                (const int *)g->moe_idx, md, next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
         return;
     }
