@@ -323,10 +323,13 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 /* E2M1 codes I and I + 4 of a 32-bit word as a bf16 pair (code I in the low half): each code's sign
  * and three bits placed as a bf16's (bit 15; exponent and mantissa at bits 6-8) make the value times
- * 2^-126 (0.5 a bf16 subnormal, which bf16 multiplies keep). */
+ * 2^-126 (0.5 a bf16 subnormal, which bf16 multiplies keep). The two codes alone (codes 2, 3, 6, 7
+ * shifted down to 0, 1, 4, 5 first), one multiply adds a copy shifted for the three bits to one
+ * shifted for the sign (they do not overlap), and a mask keeps those: three instructions a pair
+ * where two shifts and two masks took four. */
 template <int I> __device__ __forceinline__ uint32_t e2m1_pair(uint32_t w) {
-    uint32_t m = I <= 1 ? w << (6 - 4 * I) : w >> (4 * I - 6);
-    return (m & 0x01C001C0u) | ((w << (12 - 4 * I)) & 0x80008000u);
+    uint32_t n = (I <= 1 ? w : w >> 8) & (0x000F000Fu << 4 * (I & 1));
+    return n * (I & 1 ? (1u << 2) + (1u << 8) : (1u << 6) + (1u << 12)) & 0x81C081C0u;
 }
 
 /* a * b, bf16 pairs */
@@ -1065,11 +1068,11 @@ enum { E2M1_ROWS = 16, E2M1_SPAN = 128, E2M1_TOKENS = 8 };
  * piece, an NVFP4 span. */
 static int gnorm_unit(int fmt) { return fmt == DT_NVFP4 ? E2M1_SPAN : fmt_per(fmt); }
 
-/* A block scale (E4M3, at most 448 = 1.75 2^8) times 2^112 as a bf16 pair (exact and finite; 2^120
- * would overflow past 256). */
-__device__ __forceinline__ uint32_t e2m1_scale(unsigned b) {
-    float f = e4m3f(b) * 0x1p112f;
-    return pack_bf16(f, f);
+/* Two block scales (E4M3, the first in the low byte; at most 448 = 1.75 2^8) each times 2^112 as a
+ * bf16 pair (exact and finite; 2^120 would overflow past 256), converted together. */
+__device__ __forceinline__ void e2m1_scales(uint32_t (&s)[2], unsigned b) {
+    float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)b, __NV_E4M3)));
+    s[0] = pack_bf16(f.x * 0x1p112f, f.x * 0x1p112f), s[1] = pack_bf16(f.y * 0x1p112f, f.y * 0x1p112f);
 }
 
 /* Row i of a matrix on the device: its bytes, its block scales (NVFP4) and its scale (1 unquantized). */
@@ -1155,7 +1158,8 @@ __device__ __forceinline__ void e2m1_xs(uint32_t (&xb)[16], const uint32_t *xs, 
 /* d += a span's 16 rows (each lane's chunk: rows g and g + 8) times its x (xb, column n = token n),
  * times 2^-14 (see gemv_e2m1_kernel). */
 __device__ __forceinline__ void e2m1_mma(float (&d)[4], const E2m1Chunk &c, const uint32_t (&xb)[16]) {
-    uint32_t sa[2] = {e2m1_scale(c.sa & 255), e2m1_scale(c.sa >> 8)}, sb[2] = {e2m1_scale(c.sb & 255), e2m1_scale(c.sb >> 8)};
+    uint32_t sa[2], sb[2];
+    e2m1_scales(sa, c.sa), e2m1_scales(sb, c.sb);
     uint32_t wa4[4] = {c.a.x, c.a.y, c.a.z, c.a.w}, wb4[4] = {c.b.x, c.b.y, c.b.z, c.b.w};
 #pragma unroll
     for (int m = 0; m < 4; m++) {   /* a: row g k pairs 2 t, 2 t + 8, then row g + 8's */
