@@ -1125,10 +1125,13 @@ __device__ __forceinline__ void e2m1_x(uint32_t (&xb)[16], const float *x, int e
     }
 }
 
+/* The widest x the dense and up kernels stage (8 KB of bf16 pairs); the most spans of a down
+ * product's range, whose staged x then fits the 48 KB of shared memory a launch gets unasked. */
+enum { E2M1_XS = 4096, E2M1_RANGE = 192 };
+
 /* Spans [lo, hi) of one token's x as e2m1_x lays them out, staged for a block's warps: span s's 64
  * words at xs + 64 (s - lo), chunk c's 16 of them at 16 c; at(s, &x, &e, &cols) gives the x span s
  * reads, its first element and its row's end (zeros past it; whole 16-element blocks). */
-enum { E2M1_XS = 4096 };   /* the widest x the dense and up kernels stage (8 KB) */
 template <typename At> __device__ __forceinline__ void e2m1_stage(uint32_t *xs, int lo, int hi, At at) {
     for (int q = threadIdx.x; q < (hi - lo) * 16; q += blockDim.x) {   /* 8 elements: 4 words */
         const float *x;
@@ -2609,7 +2612,6 @@ typedef struct {
     int nfixed;
     int T, ldo;                 /* tokens; floats between two tokens' outputs */
     int splits;                 /* ranges a row's segments are cut into, a block each (1: none) */
-    int xs;                     /* NVFP4: a block stages its range's x in shared memory (1) or each warp reads it */
     float *part;                /* [splits, T, rows] each range's sums (splits > 1) */
     unsigned *cnt;              /* [row tiles] blocks of a tile done (the last one adds, then resets it) */
 } MoeDown;
@@ -2883,16 +2885,14 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_down_e2m1_kernel(f
     seg_starts(seg, lo, hi, md, y, [](int) { return (int)E2M1_SPAN; });
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3, r0 = tile * E2M1_ROWS;
     int ra = min(r0 + g, rows - 1), rb = min(r0 + g + 8, rows - 1), tk = 0;
-    struct View {   /* token tk's segment as this lane sees it: its rows, input and width */
+    struct View {   /* token tk's segment as this lane sees it: its rows and width */
         GRow a, b;
-        const float *x;
         int cols;
     };
     auto view = [&](int j) {
         const MoeIn &in = j < md.k ? md.routed : md.fixed[j - md.k];
         size_t base = j < md.k ? (size_t)idx[tk * md.k + j] * md.erows : 0;
-        return View{e2m1_row(in.W, base + ra), e2m1_row(in.W, base + rb), in.x + (size_t)tk * in.ldx + (j < md.k ? (size_t)j * md.xstep : 0),
-                    in.W.cols};
+        return View{e2m1_row(in.W, base + ra), e2m1_row(in.W, base + rb), in.W.cols};
     };
     int lj = 0, cj = 0;   /* the segments of the span loaded next and of the span dotted */
     View lv = view(0), cv = lv;
@@ -2913,14 +2913,12 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_down_e2m1_kernel(f
             __syncthreads();
             lj = cj = 0, lv = cv = view(0), cur = load(lo + warp);
         }
-        if (md.xs) {
-            int j = 0;
-            e2m1_stage(xs_down, lo, hi, [&](int s, const float *&x, int &e, int &c) {
-                while (s >= seg[j + 1]) j++;
-                const MoeIn &in = j < md.k ? md.routed : md.fixed[j - md.k];
-                x = in.x + (size_t)tk * in.ldx + (j < md.k ? (size_t)j * md.xstep : 0), e = (s - seg[j]) * E2M1_SPAN, c = in.W.cols;
-            });
-        }
+        int sj = 0;   /* the segment of the span staged */
+        e2m1_stage(xs_down, lo, hi, [&](int s, const float *&x, int &e, int &c) {
+            while (s >= seg[sj + 1]) sj++;
+            const MoeIn &in = sj < md.k ? md.routed : md.fixed[sj - md.k];
+            x = in.x + (size_t)tk * in.ldx + (sj < md.k ? (size_t)sj * md.xstep : 0), e = (s - seg[sj]) * E2M1_SPAN, c = in.W.cols;
+        });
         float acc[4] = {0, 0, 0, 0};
         for (int s = lo + warp; s < hi; s += WARPS) {
             E2m1Chunk nxt = load(s + WARPS);
@@ -2929,8 +2927,7 @@ __global__ void __launch_bounds__(32 * WARPS, 16 / WARPS) moe_down_e2m1_kernel(f
                 cv = view(cj);
             }
             uint32_t xb[16] = {};
-            if (md.xs) e2m1_xs(xb, xs_down, (s - lo) * E2M1_SPAN + 32 * t);
-            else if (g == 0) e2m1_x(xb, cv.x, (s - seg[cj]) * E2M1_SPAN + 32 * t, cv.cols);
+            e2m1_xs(xb, xs_down, (s - lo) * E2M1_SPAN + 32 * t);
             float d[4] = {0, 0, 0, 0};
             e2m1_mma(d, cur, xb);
             acc[0] += d[0] * cv.a.scale, acc[2] += d[2] * cv.b.scale;
@@ -3951,13 +3948,13 @@ static int down_splits(int blocks, int slots) { return blocks * 2 <= slots ? std
 
 /* The same for the NVFP4 tensor-core form, `tiles` row tiles of `spans` spans a row: of the cuts whose
  * blocks (e2m1_warps of their ranges' spans) fit in one wave, the fewest that keep the most warps
- * busy. On one H100 (--bench) Nano's, 168 tiles of 119 spans, takes 6 ranges of 2 warps (1008
- * blocks for 1056 slots): 2.05 ms/token against 2.10 whole, 2.13 at 4 ranges, 2.15 at 8. Super's
- * routed one, 64 tiles of 462 spans, takes 4 of 8 warps: 7.07 ms/token against 7.22 at 8 ranges
- * (down_splits' count). */
+ * busy, and at least enough that no range has more than E2M1_RANGE spans. On one H100 (--bench)
+ * Nano's, 168 tiles of 119 spans, takes 6 ranges of 2 warps (1008 blocks for 1056 slots): 2.05
+ * ms/token against 2.10 whole, 2.13 at 4 ranges, 2.15 at 8. Super's routed one, 64 tiles of 462
+ * spans, takes 4 of 8 warps: 7.07 ms/token against 7.22 at 8 ranges (down_splits' count). */
 static int e2m1_splits(const GpuRank *g, int tiles, int spans) {
-    int best = 1, fill = 0;
-    for (int s = 1; s <= std::min((int)MOE_SPLITS, spans); s++) {
+    int best = std::min((int)MOE_SPLITS, cdiv(spans, E2M1_RANGE)), fill = 0;   /* each range's x fits a block */
+    for (int s = best; s <= std::min((int)MOE_SPLITS, spans); s++) {
         int warps = e2m1_warps(spans / s);
         if (tiles * s <= e2m1_slots(g, warps) && tiles * s * warps > fill) best = s, fill = tiles * s * warps;
     }
@@ -3981,9 +3978,12 @@ static void moe_down(GpuRank *g, float *out, int rows, MoeDown md, const GMat *n
         md.splits = e2m1_splits(g, blocks, spans);
         blocks *= md.splits;
         warps = e2m1_warps(spans / md.splits), slots = e2m1_slots(g, warps);
-        size_t xs = (size_t)cdiv(spans, md.splits) * E2M1_SPAN * sizeof(bf16);   /* a block's x, staged */
-        md.xs = xs <= std::min(48 << 10, (200 << 10) * warps / 16);
-        LAUNCH(blocks, 32 * warps, md.xs ? xs : 0, g->stream, moe_down_e2m1_for(warps), out, rows,
+        if (cdiv(spans, md.splits) > E2M1_RANGE) {
+            fprintf(stderr, "nemoh: an MoE down product of %d spans of %d a row: more than %d ranges of %d\n", spans, (int)E2M1_SPAN,
+                    (int)MOE_SPLITS, (int)E2M1_RANGE);
+            exit(1);
+        }
+        LAUNCH(blocks, 32 * warps, (size_t)cdiv(spans, md.splits) * E2M1_SPAN * sizeof(bf16), g->stream, moe_down_e2m1_for(warps), out, rows,
                (const int *)g->moe_idx, md, next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
         return;
     }

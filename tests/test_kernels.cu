@@ -1927,6 +1927,7 @@ int main(int argc, char **argv) {
         test_moe_products(DT_NVFP4, fs, 12, 3, 32, 48, 64, 0, 2);
         test_moe_products(DT_NVFP4, fs, 8, 2, 64, 64, 4800, 0, 1);  /* the down product's rows in one range each (132 SMs) */
     }
+    test_moe_products(DT_NVFP4, DT_NVFP4, 8, 6, 4224, 64, 4800, 0, 1);   /* 199 spans a row, no cut in one wave (132 SMs): two ranges */
     for (int fmt : {DT_F32, DT_BF16, DT_FP8}) {
         test_moe_tokens(fmt, fmt, 12, 3, 20, 36, 40, 0, 4);
         test_moe_tokens(fmt, fmt, 10, 4, 27, 19, 56, 24, 9);     /* latent; rounds of GEMV_TOKENS */
