@@ -3978,12 +3978,13 @@ static void moe_down(GpuRank *g, float *out, int rows, MoeDown md, const GMat *n
         md.splits = e2m1_splits(g, blocks, spans);
         blocks *= md.splits;
         warps = e2m1_warps(spans / md.splits), slots = e2m1_slots(g, warps);
-        if (cdiv(spans, md.splits) > E2M1_RANGE) {
+        int range = cdiv(spans, md.splits);   /* the most spans of a block, its x staged */
+        if (range > E2M1_RANGE) {
             fprintf(stderr, "nemoh: an MoE down product of %d spans of %d a row: more than %d ranges of %d\n", spans, (int)E2M1_SPAN,
                     (int)MOE_SPLITS, (int)E2M1_RANGE);
             exit(1);
         }
-        LAUNCH(blocks, 32 * warps, (size_t)cdiv(spans, md.splits) * E2M1_SPAN * sizeof(bf16), g->stream, moe_down_e2m1_for(warps), out, rows,
+        LAUNCH(blocks, 32 * warps, (size_t)range * E2M1_SPAN * sizeof(bf16), g->stream, moe_down_e2m1_for(warps), out, rows,
                (const int *)g->moe_idx, md, next ? (const void *)next->w : NULL, warm_bytes(next), blocks > slots ? blocks - slots : 0);
         return;
     }
