@@ -3574,8 +3574,16 @@ static void (*gemv_for(int fmt, int epi, int several))(const GemvArgs) {
 static int e2m1_warps(int spans) { return spans >= 32 ? 8 : 2; }
 /* Blocks of `warps` warps the GPU holds at once: as many warps an SM as the quantized kernels. */
 static int e2m1_slots(const GpuRank *g, int warps) { return g->gemv_slots / 2 * GEMV_WARPS / warps; }
-/* The tensor-core kernels for a block of `warps` warps (e2m1_warps; 4 as well for gemv, which
- * test_kernels times at 2, 4 and 8): the launch's 32 * warps threads must be the kernel's WARPS. */
+/* Warps of a dense NVFP4 product's block: e2m1_warps, but 4 for rows of 32 to 63 spans that fill the
+ * GPU at 4 warps a block. On one H100 (--bench, twice, alternating with 8 warps) the 8B NVFP4, its
+ * in_proj and up products at 4, decodes at 2.93 and 2.94 ms/token against 3.09 and 3.10; with every
+ * product of 32 spans at 4, Nano NVFP4 (a 4096-column out_proj of 2688 rows, 168 blocks) slowed from
+ * 2.02 to 2.07: few blocks keep their 8 warps. */
+static int e2m1_gemv_warps(const GpuRank *g, int rows, int spans) {
+    return spans >= 32 && spans < 64 && cdiv(rows, E2M1_ROWS) >= e2m1_slots(g, 4) ? 4 : e2m1_warps(spans);
+}
+/* The tensor-core kernels for a block of `warps` warps (e2m1_warps; 4 as well for gemv,
+ * e2m1_gemv_warps): the launch's 32 * warps threads must be the kernel's WARPS. */
 static void (*e2m1_for(int epi, int warps))(const GemvArgs) {
     if (warps == 8) return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 8> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 8> : gemv_e2m1_kernel<EPI_NONE, 8>;
     if (warps == 4) return epi == EPI_RELU2 ? gemv_e2m1_kernel<EPI_RELU2, 4> : epi == EPI_GNORM ? gemv_e2m1_kernel<EPI_GNORM, 4> : gemv_e2m1_kernel<EPI_NONE, 4>;
@@ -3595,7 +3603,7 @@ static void (*moe_down_e2m1_for(int warps))(float *, int, const int *, const Moe
 static void matmul(GpuRank *g, float *out, int ldo, const float *x, int ldx, int T, const GMat *W, int epi, const GMat *next,
                    const GroupScale *gs) {
     if (decoded(g, T) && (T == 1 || ldx % 4 == 0)) {   /* each token's x row 16-byte aligned, as the kernel reads it */
-        int e2m1 = W->fmt == DT_NVFP4, warps = e2m1 ? e2m1_warps(cdiv(W->cols, E2M1_SPAN)) : GEMV_WARPS, wpr = e2m1 ? 1 : gemv_wpr(g, W), slots;
+        int e2m1 = W->fmt == DT_NVFP4, warps = e2m1 ? e2m1_gemv_warps(g, W->rows, cdiv(W->cols, E2M1_SPAN)) : GEMV_WARPS, wpr = e2m1 ? 1 : gemv_wpr(g, W), slots;
         int blocks = e2m1 ? cdiv(W->rows, E2M1_ROWS) : gemv_blocks(g, W->rows, quantized(W->fmt), wpr, &slots);
         if (e2m1) slots = e2m1_slots(g, warps);
         GemvArgs a = {.out = out, .W = *W, .x = x, .T = T, .ldx = ldx, .ldo = ldo, .wpr = wpr, .warm = next ? next->w : NULL,

@@ -1696,7 +1696,7 @@ static void time_gemv(int rows, int cols, int fmt = DT_BF16) {
     double bytes = (double)rows * cols * 16 / fmt_per(fmt) + (fmt == DT_NVFP4 ? rows * cols / 16.0 : 0);
     int e2m1 = fmt == DT_NVFP4;
     printf("# gemv %s %dx%d: %.1f us (%d warps a %s), %.0f GB/s of weights; at %s:", fmt_name(fmt), rows, cols, us,
-           e2m1 ? e2m1_warps(cdiv(W.cols, E2M1_SPAN)) : gemv_wpr(&g, &W), e2m1 ? "block" : "row", bytes / (us * 1e3), e2m1 ? "2, 4, 8" : "1, 2");
+           e2m1 ? e2m1_gemv_warps(&g, W.rows, cdiv(W.cols, E2M1_SPAN)) : gemv_wpr(&g, &W), e2m1 ? "block" : "row", bytes / (us * 1e3), e2m1 ? "2, 4, 8" : "1, 2");
     for (int w = e2m1 ? 0 : 1; w <= (fmt == DT_F32 ? 0 : 2); w++)
         printf(" %.1f", time_us(g.stream, 50, [&] {
             int wpr = e2m1 ? 1 : w, warps = e2m1 ? 2 << w : GEMV_WARPS, slots;
@@ -1816,6 +1816,7 @@ int main(int argc, char **argv) {
     test_matmul(DT_FP8, 40000, 900, 3, 0);    /* more rows than deq holds at once: a prompt's product in two passes */
     test_matmul(DT_FP8, 9001, 304, 1, 0);     /* more rows than a wave of blocks holds, not a multiple of QROWS */
     test_matmul(DT_NVFP4, 9001, 304, 1, 1);
+    test_matmul(DT_NVFP4, 9001, 4112, 1, 1);   /* rows of 33 spans filling the GPU: blocks of 4 warps */
     test_norms(1000, 3);
     test_norms(6008, 1);   /* the engine's hidden sizes are multiples of 8 */
     test_mtp_in(DT_BF16, DT_BF16, 1000, 1, 0, 1);
