@@ -3567,10 +3567,10 @@ static void (*gemv_for(int fmt, int epi, int several))(const GemvArgs) {
 }
 
 /* Warps of an NVFP4 product's block (gemv_e2m1_kernel, the expert kernels) for rows of `spans` spans:
- * 8, or 2 for fewer than 32. On one H100: 18560 x 4096 alone 24.4 us at 8, 26.9 at 4; but the Nano
- * NVFP4 decode, whose 2688-column rows (21 spans) take 10.5 to 11.8 us alone at 8, 4 or 2 warps,
- * ran 2.10 to 2.12 ms/token at 2 against 2.18 to 2.19 at 4: in a decode step, small blocks fill
- * the GPU beside the kernels before and after them. */
+ * 8, or 2 for fewer than 32 (dense products: e2m1_gemv_warps). The Nano NVFP4 decode, whose
+ * 2688-column rows (21 spans) took 10.5 to 11.8 us alone at 8, 4 or 2 warps on one H100, ran 2.10
+ * to 2.12 ms/token at 2 against 2.18 to 2.19 at 4: in a decode step, small blocks fill the GPU
+ * beside the kernels before and after them. */
 static int e2m1_warps(int spans) { return spans >= 32 ? 8 : 2; }
 /* Blocks of `warps` warps the GPU holds at once: as many warps an SM as the quantized kernels. */
 static int e2m1_slots(const GpuRank *g, int warps) { return g->gemv_slots / 2 * GEMV_WARPS / warps; }
