@@ -3574,13 +3574,14 @@ static void (*gemv_for(int fmt, int epi, int several))(const GemvArgs) {
 static int e2m1_warps(int spans) { return spans >= 32 ? 8 : 2; }
 /* Blocks of `warps` warps the GPU holds at once: as many warps an SM as the quantized kernels. */
 static int e2m1_slots(const GpuRank *g, int warps) { return g->gemv_slots / 2 * GEMV_WARPS / warps; }
-/* Warps of a dense NVFP4 product's block: e2m1_warps, but 4 for rows of 32 to 63 spans that fill the
- * GPU at 4 warps a block. On one H100 (--bench, twice, alternating with 8 warps) the 8B NVFP4, its
- * in_proj and up products at 4, decodes at 2.93 and 2.94 ms/token against 3.09 and 3.10; with every
- * product of 32 spans at 4, Nano NVFP4 (a 4096-column out_proj of 2688 rows, 168 blocks) slowed from
- * 2.02 to 2.07: few blocks keep their 8 warps. */
+/* Warps of a dense NVFP4 product's block: e2m1_warps, but 4 for rows of fewer than 64 spans that fill
+ * the GPU at 4 warps a block. On one H100 (--bench, twice, alternating) the 8B NVFP4, its in_proj and
+ * up products (32 spans) at 4 instead of 8, decodes at 2.93 and 2.94 ms/token against 3.09 and 3.10;
+ * Nano NVFP4, its in_proj (21 spans, 644 blocks) at 4 instead of 2, at 2.00 and 2.00 against 2.03 and
+ * 2.03; with every product of 32 spans at 4, Nano NVFP4 (a 4096-column out_proj of 2688 rows, 168
+ * blocks) slowed from 2.02 to 2.07: few blocks keep their 2 or 8 warps. */
 static int e2m1_gemv_warps(const GpuRank *g, int rows, int spans) {
-    return spans >= 32 && spans < 64 && cdiv(rows, E2M1_ROWS) >= e2m1_slots(g, 4) ? 4 : e2m1_warps(spans);
+    return spans < 64 && cdiv(rows, E2M1_ROWS) >= e2m1_slots(g, 4) ? 4 : e2m1_warps(spans);
 }
 /* The tensor-core kernels for a block of `warps` warps (e2m1_warps; 4 as well for gemv,
  * e2m1_gemv_warps): the launch's 32 * warps threads must be the kernel's WARPS. */

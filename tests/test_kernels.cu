@@ -1815,8 +1815,9 @@ int main(int argc, char **argv) {
     }
     test_matmul(DT_FP8, 40000, 900, 3, 0);    /* more rows than deq holds at once: a prompt's product in two passes */
     test_matmul(DT_FP8, 9001, 304, 1, 0);     /* more rows than a wave of blocks holds, not a multiple of QROWS */
-    test_matmul(DT_NVFP4, 9001, 304, 1, 1);
+    test_matmul(DT_NVFP4, 9001, 304, 1, 1);    /* rows of 3 spans filling the GPU: blocks of 4 warps, one idle */
     test_matmul(DT_NVFP4, 9001, 4112, 1, 1);   /* rows of 33 spans filling the GPU: blocks of 4 warps */
+    test_gemv_tokens(DT_NVFP4, 9001, 2048, 1, EPI_GNORM, 8);   /* the gated norm's scale in blocks of 4 warps */
     test_norms(1000, 3);
     test_norms(6008, 1);   /* the engine's hidden sizes are multiples of 8 */
     test_mtp_in(DT_BF16, DT_BF16, 1000, 1, 0, 1);
