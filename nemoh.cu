@@ -2342,38 +2342,72 @@ __device__ __forceinline__ bool last_block(unsigned *counter, unsigned n) {
     return last;
 }
 
-/* The choice of warp 0's lanes (moe_select) among c[E], KPL experts a lane (lane, lane + 32, ...): K
- * rounds, each taking the largest key left (c as order keys, a total order; the lower index on ties),
- * one warp reduction for the key and one for its index. A lane keeps its own best live expert and
- * looks again only when that one is taken. On one H100 (clock64 around the whole choice, one block)
- * Nano's 128 experts top 6 took 3.1k cycles in this form, 6.0k as a bisection on the K-th key's bits;
- * Super's 512 top 22 10.8k against 17.5k. Lane k ends with pick k: idx, wt as moe_select says. */
-template <int KPL> __device__ __forceinline__ void moe_pick(int *idx, float *wt, const float *s, const float *c, MoeRoute rt) {
+/* Whether key a at expert ea beats key b at eb: the choice's total order (the lower index on ties). */
+__device__ __forceinline__ bool key_beats(unsigned ka, int ea, unsigned kb, int eb) { return ka > kb || (ka == kb && ea < eb); }
+
+/* The choice of warp 0's lanes (moe_select) among c[E] (as order keys, a total order), lane l reading
+ * experts l, l + 32, ... from shared memory. t = the K-th largest of the lanes' largest keys is at or
+ * below the K-th largest key (K lanes hold a key at or above it), so the K chosen are among the n keys
+ * at or above t; each is ranked among them (by shuffles for up to 64, two a lane; else from shared
+ * memory). Lane k ends with pick k: idx, wt as moe_select says. On one H100 (clock64 around the
+ * choice, one block): 128 experts top 6 3.3k cycles, 512 top 22 6.5k, 300 top 31 9.2k; as K rounds of
+ * the largest key left, 3.1k, 10.8k and 14.2k. */
+__device__ __forceinline__ void moe_pick(int *idx, float *wt, const float *s, const float *c, MoeRoute rt) {
+    __shared__ unsigned ck[MOE_MAX_EXPERTS];
+    __shared__ int ce[MOE_MAX_EXPERTS], pick[MOE_MAX_TOPK];
     int lane = threadIdx.x;
-    unsigned key[KPL], live = 0;   /* live bit i: expert lane + 32 i is still to be chosen */
+    unsigned lm = 0;   /* the lane's largest key */
+#pragma unroll 4
+    for (int e = lane; e < rt.E; e += 32) lm = max(lm, order_key(c[e]));
+    int r = 0;
 #pragma unroll
-    for (int i = 0; i < KPL; i++) {
-        int e = lane + 32 * i;
-        key[i] = e < rt.E ? order_key(c[e]) : 0;
-        if (e < rt.E) live |= 1u << i;
+    for (int j = 0; j < 32; j++) {
+        unsigned o = __shfl_sync(~0u, lm, j);
+        r += o > lm || (o == lm && j < lane);
     }
-    unsigned bk = 0;   /* this lane's best live key, at i = bi (-1: none) */
-    int bi = -1, mine = 0;
-    auto best = [&] {
-        bk = 0, bi = -1;
+    unsigned t = __shfl_sync(~0u, lm, __ffs(__ballot_sync(~0u, r == rt.K - 1)) - 1);
+    int n = 0;   /* the candidates, keys at or above t, into ck and ce */
+    for (int e0 = 0; e0 < rt.E; e0 += 32) {
+        int e = e0 + lane;
+        unsigned k = e < rt.E ? order_key(c[e]) : 0;
+        int in = e < rt.E && k >= t;
+        unsigned m = __ballot_sync(~0u, in);
+        if (in) {
+            int at = n + __popc(m & ((1u << lane) - 1));
+            ck[at] = k, ce[at] = e;
+        }
+        n += __popc(m);
+    }
+    __syncwarp();
+    if (n <= 64) {
+        unsigned k0 = lane < n ? ck[lane] : 0, k1 = lane + 32 < n ? ck[lane + 32] : 0;   /* none: below all, never ranked */
+        int e0 = lane < n ? ce[lane] : INT_MAX, e1 = lane + 32 < n ? ce[lane + 32] : INT_MAX, r0 = 0, r1 = 0;
 #pragma unroll
-        for (int i = 0; i < KPL; i++) if ((live >> i & 1) && (bi < 0 || key[i] > bk)) bk = key[i], bi = i;
-    };
-    best();
-    for (int k = 0; k < rt.K; k++) {
-        unsigned m = __reduce_max_sync(~0u, bi >= 0 ? bk : 0u);
-        int e = __reduce_min_sync(~0u, bi >= 0 && bk == m ? lane + 32 * bi : INT_MAX);
-        if (lane == k) mine = e;
-        if ((e & 31) == lane) {
-            live &= ~(1u << (e >> 5));
-            best();
+        for (int j = 0; j < 32; j++) {
+            unsigned o = __shfl_sync(~0u, k0, j);
+            int f = __shfl_sync(~0u, e0, j);
+            r0 += key_beats(o, f, k0, e0), r1 += key_beats(o, f, k1, e1);
+        }
+        if (n > 32) {
+#pragma unroll
+            for (int j = 0; j < 32; j++) {
+                unsigned o = __shfl_sync(~0u, k1, j);
+                int f = __shfl_sync(~0u, e1, j);
+                r0 += key_beats(o, f, k0, e0), r1 += key_beats(o, f, k1, e1);
+            }
+        }
+        if (lane < n && r0 < rt.K) pick[r0] = e0;
+        if (lane + 32 < n && r1 < rt.K) pick[r1] = e1;
+    } else {
+        for (int i = lane; i < n; i += 32) {
+            unsigned k = ck[i];
+            int e = ce[i], rank = 0;
+            for (int j = 0; j < n; j++) rank += key_beats(ck[j], ce[j], k, e);
+            if (rank < rt.K) pick[rank] = e;
         }
     }
+    __syncwarp();
+    int mine = lane < rt.K ? pick[lane] : 0;
     float w = lane < rt.K ? s[mine] : 0.0f, sum = warp_sum(w);
     if (lane < rt.K) {
         if (rt.norm) w /= sum + 1e-20f;
@@ -2431,18 +2465,14 @@ __device__ __forceinline__ void moe_select(int *idx, float *wt, const float *l, 
         __syncthreads();
     }
     if (threadIdx.x >= 32) return;
-    int nk = cdiv(rt.E, 32);   /* keys a lane holds: the smallest form that has room */
-    if (nk <= 4) moe_pick<4>(idx, wt, s, c, rt);
-    else if (nk <= 8) moe_pick<8>(idx, wt, s, c, rt);
-    else if (nk <= 16) moe_pick<16>(idx, wt, s, c, rt);
-    else moe_pick<MOE_MAX_EXPERTS / 32>(idx, wt, s, c, rt);
+    moe_pick(idx, wt, s, c, rt);
 }
 
 /* Decode's router in one launch, for T tokens: block e dots gate row e (fp32, its whole row in flight
  * before the wait) with each token's x; the last block to finish (last_block) chooses, token by token,
  * from all E logits. The choice stays on the GPU: the step needs no host round trip and stays one
- * graph. Four blocks an SM (64 registers): Super's 512 blocks are all on an H100 at once. */
-__global__ void __launch_bounds__(ROUTE_THREADS, 4) moe_route_kernel(int *idx, float *wt, float *logits, unsigned *done,
+ * graph. */
+__global__ void __launch_bounds__(ROUTE_THREADS) moe_route_kernel(int *idx, float *wt, float *logits, unsigned *done,
                                                                  const float *gate, const float *bias, const float *x, int H, int T,
                                                                  MoeRoute rt) {
     const uint4 *w = (const uint4 *)(gate + (size_t)blockIdx.x * H);
