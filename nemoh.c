@@ -1592,18 +1592,18 @@ typedef struct {
 
 /* Drafts a step when the model has an MTP block and --mtp is not given: the count that measured
  * fastest on the default model (its trained block; bench/RESULTS.md, "Drafting with the MTP block").
- * On a GPU, greedy, 2 (over eight prompts, one H200: 1.14x; 3, 1.08x; 4, 0.99x; one H100: 1.18x). On
- * the CPU, greedy: 2 where the AMX tile unit runs the bf16 products, whose several tokens cost what
- * one does (over eight prompts on the 2-core Xeon, 1.45x; 1 gives 1.29x, 3 1.41x); none without it,
- * where a verify forward's products pay every token's FMAs (the 2-core AMD EPYC: one draft 0.95x to
- * 0.99x, two 0.97x, since one token's products stopped waiting on one chain of sums).
+ * On a GPU, greedy, 2 (over eight prompts, one H100: 1.30x; 3, 1.29x). On the CPU, greedy:
+ * 4 where the AMX tile unit runs the bf16 products, whose several tokens cost what one does (over
+ * eight prompts on the 2-core Xeon, 1.56x and 1.58x; 2 gives 1.50x, 3 1.52x, 5 1.30x); none without
+ * it, where a verify forward's products pay every token's FMAs (the 2-core AMD EPYC, with the block
+ * before its second distillation: one draft 0.95x to 0.99x, two 0.97x).
  * Sampled, a greedy draft is accepted only when the draw equals it (acceptance length 1.27 at one
  * draft, 0.91x): none. */
 static int mtp_default(int gpu, float temp) {
     if (temp > 0) return 0;
     if (gpu) return 2;
 #ifdef NEMOH_AMX
-    if (amx_on()) return 2;
+    if (amx_on()) return 4;
 #endif
     return 0;
 }
@@ -4556,7 +4556,7 @@ static void usage(void) {
           "  --print-ids        print generated token ids instead of text (the default without a tokenizer)\n"
           "  --dump-logits FILE float32 logits, one row of vocab_size per forward position\n"
           "  --mtp K            draft K tokens a step with the model's multi-token prediction block and verify\n"
-          "                     them in one forward (0..8; default at -t 0: 2 on a GPU or a CPU with AMX; else 0)\n"
+          "                     them in one forward (0..8; default at -t 0: 2 on a GPU, 4 on a CPU with AMX; else 0)\n"
           "  --mtp-vocab N      draft among the first N token ids only (BPE's most frequent; default on the CPU:\n"
           "                     vocab_size / 8 rounded up, on a GPU: all); each MTP pass computes N rows of lm_head\n"
           "  --dump-mtp FILE    float32 logits of the MTP block, one row per position (the token after it known),\n"

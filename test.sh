@@ -487,7 +487,7 @@ words=$(printf '%s' "$out" | wc -w)
 # none when sampling; the tokens are plain decoding's either way
 g0=$(./nemoh --cpu "Once upon a time" -n 40 -t 0 --mtp 0 2>/dev/null)
 gd=$(./nemoh --cpu "Once upon a time" -n 40 -t 0 2>"$T/gd.err")
-if grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null; then kw="2 drafts a step"; grep -q "^nemoh: mtp: 2 drafts a step among ids below 1024;" "$T/gd.err"
+if grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null; then kw="4 drafts a step"; grep -q "^nemoh: mtp: 4 drafts a step among ids below 1024;" "$T/gd.err"
 else kw="no drafting"; ! grep -q 'mtp:' "$T/gd.err"; fi && [ "$gd" = "$g0" ] \
     && pass "default model, CPU, -t 0: $kw by default (AMX: $(grep -qw amx_bf16 /proc/cpuinfo 2>/dev/null && echo yes || echo no)), the tokens of --mtp 0" \
     || fail "default model, CPU, -t 0: $kw by default, the tokens of --mtp 0" "$gd"$'\n'"$g0"$'\n'"$(cat "$T/gd.err")"

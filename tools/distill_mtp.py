@@ -5,7 +5,7 @@ the CPU (torch >= 1.13 with bf16 matrix products, numpy; no transformers), and r
   build/mtp_data weights data/brown.json held text   data/mtp/held_text.bin
   build/mtp_data weights data/brown.json held greedy:16:48  data/mtp/held_greedy.bin
   build/mtp_data weights data/brown.json train text  data/mtp/train_text.bin
-  build/mtp_data weights data/brown.json train greedy:16:480 data/mtp/train_greedy.bin
+  build/mtp_data weights data/brown.json train greedy:16:1920 data/mtp/train_greedy.bin
   python3 tools/distill_mtp.py weights tests/fixtures/default-ref data/mtp SECONDS
 
 tools/train_default.py --mtp trained the block on the corpus's own next tokens. A draft is accepted
@@ -14,9 +14,10 @@ position t, depth d (0, 1: the block applied to its own output, as drafting does
 cross-entropy of the block's logits against softmax(lm_head(h_{t+d+1})), the model's prediction of the
 same token x_{t+d+2}. Its hidden states h come from nemoh's CPU engine (tools/mtp_data.c): the
 training documents' text (teacher-forced windows) and the model's greedy continuations of their
-prompts, half of each batch each (greedy text is what a greedy drafting step is verified against).
+prompts, 4 and 12 windows of each batch (greedy text is what a greedy drafting step is verified against).
 AdamW from the stored block, bf16 autocast, batches of 16 windows x 510 positions, for the time
-budget; kept: the weights of the best held-out depth-1 agreement (mean over held-out text and greedy).
+budget; kept: the weights of the best held-out agreement on greedy text (mean over the depths). A run
+starts from the stored block: the previous run's log moves under "previous" in train_log.json.
 
 Then, before anything is written, the oracle: a float64 torch forward of the whole model and the MTP
 block written out here from the notes' formulas must reproduce ref_logits.bin (transformers' float32
@@ -36,7 +37,8 @@ if len(sys.argv) != 5:
 wdir, ref_dir, data_dir, budget = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 torch.manual_seed(0)
 torch.set_num_threads(os.cpu_count())
-BATCH, DEPTHS, LR, DRAFT_VOCAB = 16, 2, 3e-4, 1024   # DRAFT_VOCAB: the CPU's default --mtp-vocab
+BATCH, GREEDY, DEPTHS, LR, DRAFT_VOCAB = 16, 12, 2, 3e-4, 1024   # GREEDY: windows of a batch from train_greedy;
+# DRAFT_VOCAB: the CPU's default --mtp-vocab
 
 cfg = json.load(open(os.path.join(wdir, "config.json")))
 H, V, EPS = cfg["hidden_size"], cfg["vocab_size"], cfg["layer_norm_epsilon"]
@@ -226,7 +228,7 @@ def evaluate(mtp, name, every=1):
 mtp = MTP().train()
 start = {n: evaluate(mtp, n) for n in ("held_text", "held_greedy")}
 print(f"stored block, held-out: {start}", flush=True)
-score = lambda e: (e["held_text"]["top1_agreement"][0] + e["held_greedy"]["top1_agreement"][0]) / 2
+score = lambda e: sum(e["held_greedy"]["top1_agreement"]) / DEPTHS   # what a greedy drafting step gets accepted
 best, best_state, best_step = score(start), {k: v.detach().clone() for k, v in mtp.state_dict().items()}, 0
 decay = [p for p in mtp.parameters() if p.ndim >= 2]
 other = [p for p in mtp.parameters() if p.ndim < 2]
@@ -243,7 +245,7 @@ while True:
     lr = LR * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / T))))
     for g in opt.param_groups:
         g["lr"] = lr
-    pick = [torch.randint(0, len(sets[n][0]), (BATCH // 2,)) for n in ("train_text", "train_greedy")]
+    pick = [torch.randint(0, len(sets[n][0]), (k,)) for n, k in (("train_text", BATCH - GREEDY), ("train_greedy", GREEDY))]
     x = torch.cat([sets["train_text"][0][pick[0]], sets["train_greedy"][0][pick[1]]])
     h = torch.cat([sets["train_text"][1][pick[0]], sets["train_greedy"][1][pick[1]]])
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -298,13 +300,15 @@ with open(os.path.join(ref_dir, "ref.json"), "w") as fh:
     json.dump(ref, fh, indent=1)
 log_path = os.path.join(wdir, "train_log.json")
 train_log = json.load(open(log_path))
+previous = train_log.get("mtp_distill")
 train_log["mtp_distill"] = {
-    "from": "the block of the mtp section", "data": {n: len(v[0]) for n, v in sets.items()} | {"window": W, "greedy_prompt": 16},
+    "from": "the block of the previous mtp_distill run" if previous else "the block of the mtp section",
+    "data": {n: len(v[0]) for n, v in sets.items()} | {"window": W, "greedy_prompt": 16},
     "loss": "mean over depths 1 and 2 of the cross-entropy against softmax(lm_head(h_{t+d+1})), the model's own distribution",
     "optimizer": f"AdamW lr {LR} (warm-up {warm} steps, cosine to 10%), betas 0.9/0.95, weight decay 0.1 on matrices, clip 1.0, bf16 autocast",
-    "batch": BATCH, "positions_per_window": S, "steps": step, "best_step": best_step, "seconds": round(seconds, 1),
+    "batch": BATCH, "greedy_windows_a_batch": GREEDY, "positions_per_window": S, "steps": step, "best_step": best_step, "seconds": round(seconds, 1),
     "machine": cpu_name, "held_out_before": start, "held_out_after_bf16": final, "log": log,
-}
+} | ({"previous": previous} if previous else {})
 with open(log_path, "w") as fh:
     json.dump(train_log, fh, indent=1)
 print(f"{st_path}: mtp.* rewritten; {ref_dir}: mtp_logits.bin, ref.json; {log_path}: mtp_distill", flush=True)
