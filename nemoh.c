@@ -4556,7 +4556,7 @@ static void usage(void) {
           "  --print-ids        print generated token ids instead of text (the default without a tokenizer)\n"
           "  --dump-logits FILE float32 logits, one row of vocab_size per forward position\n"
           "  --mtp K            draft K tokens a step with the model's multi-token prediction block and verify\n"
-          "                     them in one forward (0..8; default at -t 0: 2 on a GPU, 4 on a CPU with AMX; else 0)\n"
+          "                     them in one forward (0..8; default at -t 0: 2 on a GPU, 4 on an AMX CPU; else 0)\n"
           "  --mtp-vocab N      draft among the first N token ids only (BPE's most frequent; default on the CPU:\n"
           "                     vocab_size / 8 rounded up, on a GPU: all); each MTP pass computes N rows of lm_head\n"
           "  --dump-mtp FILE    float32 logits of the MTP block, one row per position (the token after it known),\n"
